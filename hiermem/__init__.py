@@ -1,0 +1,24 @@
+"""hiermem: a hierarchical embedding memory manager for PyTorch recommendation training.
+
+Hot rows live in device memory, warm rows in (pinned) host memory, cold rows in an
+LMDB store on disk; lookups and fused optimizer updates work on whole batches.
+"""
+
+from .errors import (CapacityError, DiskFullError, HierMemError, InvalidArgumentError, InvalidIdError,
+                     InvalidTypeError, LayoutMismatchError, NonFiniteGradientError, PolicyFileError,
+                     StoreClosedError, StoreFormatError, UnknownTableError)
+from .eviction import LFU, LRU, POLICIES, EvictionPolicy, PolicySpec, register_policy, resolve_policy
+from .optim import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
+from .stats import IO, Stat
+from .store import HierarchicalStore
+from .types import StoreConfig, TableSpec, Tier, default_device
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adagrad", "Adam", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
+    "IO", "InvalidArgumentError", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
+    "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD",
+    "Stat", "StoreClosedError", "StoreConfig", "StoreFormatError", "TableSpec", "Tier", "UnknownTableError",
+    "default_device", "register_policy", "resolve_policy",
+]

@@ -1,0 +1,603 @@
+"""HierarchicalStore: embedding rows over a device tier, a host tier and an LMDB disk tier.
+
+The hierarchy is *exclusive* above disk and write-back: a row is resident in at most one
+of the device and host tiers; LMDB holds every row that was ever written down, and its
+copy is the latest value exactly when the row is not resident or is resident and clean.
+``where`` names the one place that holds each row's latest value: DEVICE, HOST, DISK, or
+INIT (never written: the deterministic initialiser's value).
+
+Every public method works on whole batches: a batch of ids is deduplicated once, tier
+membership comes from vectorised hash indexes, misses are read from LMDB in one batched
+read, dirty victims are written down in one transaction, and rows move between tiers as
+tensors.  Rows used by the current batch, or pinned, are never evicted by it.
+
+Thread-safety: every public method takes the store's re-entrant lock, so a prefetch
+thread, a metrics scrape and the training loop may share one store.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidIdError, InvalidTypeError,
+                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError,
+                     UnknownTableError)
+from .eviction import resolve_policy
+from .hashing import mix_scalar, uniform_rows
+from .optim import Optimizer, optimizer_from_dict
+from .stats import IO, STAT_TIERS, Counters, Stat
+from .tiers import DiskTier, SlotTier
+from .tiers.slots import Rows
+from .types import StoreConfig, TableSpec, Tier
+
+_OPEN: set[str] = set()  # store directories open in this process
+_OPEN_LOCK = threading.Lock()
+
+
+@dataclass
+class Placement:
+    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`."""
+
+    on_device: torch.Tensor | None  # bool [U] (None: all on device)
+    slot: torch.Tensor  # int64 [U], a slot of the device or host tier
+
+
+@dataclass
+class Batch:
+    """A validated, deduplicated batch of keys of one or more tables."""
+
+    t: torch.Tensor  # int64 [U] table index of each distinct key
+    k: torch.Tensor  # int64 [U] ids
+    inverse: torch.Tensor  # int64 [n] position of each input id in (t, k)
+    counts: torch.Tensor  # int64 [U] occurrences
+    lastpos: torch.Tensor  # int64 [U] position of the last occurrence
+    n: int
+
+
+class HierarchicalStore:
+    """Embedding tables over device, host and disk tiers.
+
+    Args:
+        tables: the tables (unique names).
+        config: tier capacities, device, policy, optimizer, seed and path.
+
+    Creating a store on a path that already holds one reopens it when the table layout,
+    optimizer and seed match, and raises :class:`LayoutMismatchError` otherwise.
+    """
+
+    def __init__(self, tables: Sequence[TableSpec], config: StoreConfig):
+        if not isinstance(config, StoreConfig):
+            raise InvalidTypeError("config must be a hiermem.StoreConfig")
+        tables = list(tables)
+        if not tables or not all(isinstance(s, TableSpec) for s in tables):
+            raise InvalidArgumentError("tables must be a non-empty sequence of TableSpec")
+        names = [s.name for s in tables]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"duplicate table names in {names}")
+        self.config = config
+        self.tables: tuple[TableSpec, ...] = tuple(tables)
+        self._index = {s.name: i for i, s in enumerate(tables)}
+        self.optimizer: Optimizer = config.optimizer
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgumentError("device='cuda' but CUDA is not available")
+        self.policy = resolve_policy(config.policy)
+        self.widths = [s.dim + self.optimizer.state_width(s.dim) for s in tables]
+        self.width = max(self.widths)
+        self._seed_keys = [mix_scalar(config.seed, i, s.num_rows or 0, s.dim) for i, s in enumerate(tables)]
+        self._lock = threading.RLock()
+        self._closed = True
+        self.path = Path(config.path).absolute()
+        self._claim_path()
+        try:
+            self._disk = DiskTier(self.path, create=True, map_size=config.map_size)
+            try:
+                self._steps = self._check_layout(self._disk.read_meta())
+            except BaseException:
+                self._disk.close()
+                raise
+        except BaseException:
+            self._release_path()
+            raise
+        cuda = torch.cuda.is_available()
+        self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy)
+        self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
+                              pin_memory=cuda)
+        self.counters = Counters(len(tables))
+        self._clock = 0
+        self._epoch = 0  # bumped whenever any row changes tier
+        self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
+        self._closed = False
+
+    # -- opening and layout -------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike, **overrides) -> "HierarchicalStore":
+        """Reopen a store from its directory alone.
+
+        ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
+        of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``).
+
+        Raises:
+            StoreFormatError: ``path`` is not a hiermem store, or is corrupt.
+        """
+        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size"}
+        if bad:
+            raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
+        disk = DiskTier(path, create=False)
+        try:
+            meta = disk.read_meta()
+        finally:
+            disk.close()
+        if meta is None:
+            raise StoreFormatError(path, "an empty LMDB environment, not a hiermem store")
+        try:
+            tables = [TableSpec.from_dict(d) for d in meta["tables"]]
+            cfg = StoreConfig(path=path, device=meta["device"], device_rows=meta["device_rows"],
+                              host_rows=meta["host_rows"], policy=meta["policy"], seed=meta["seed"],
+                              optimizer=optimizer_from_dict(meta["optimizer"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreFormatError(path, f"corrupt store metadata: {e}") from e
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            cfg = replace(cfg, device="cpu")
+        return cls(tables, replace(cfg, **overrides))
+
+    def _layout(self) -> dict:
+        return {"tables": [s.to_dict() for s in self.tables], "optimizer": self.optimizer.to_dict(),
+                "seed": self.config.seed}
+
+    def _meta(self) -> dict:
+        c = self.config
+        policy = self.policy.source or self.policy.name
+        return {**self._layout(), "device": str(self.device), "device_rows": c.device_rows,
+                "host_rows": c.host_rows, "policy": policy,
+                "steps": {s.name: self._steps[i] for i, s in enumerate(self.tables)}}
+
+    def _check_layout(self, meta: dict | None) -> list[int]:
+        if meta is None:
+            self._steps = [0] * len(self.tables)
+            self._disk.write([], meta=self._meta(), sync=True)
+            return self._steps
+        want, have = self._layout(), {k: meta.get(k) for k in ("tables", "optimizer", "seed")}
+        if want != have:
+            diff = [k for k in want if want[k] != have[k]]
+            raise LayoutMismatchError(self.path, f"store was created with a different {', '.join(diff)}: "
+                                      f"on disk {[have[k] for k in diff]}, asked {[want[k] for k in diff]}")
+        return [int(meta.get("steps", {}).get(s.name, 0)) for s in self.tables]
+
+    def _claim_path(self) -> None:
+        key = os.path.realpath(self.path)
+        with _OPEN_LOCK:
+            if key in _OPEN:
+                raise HierMemError(f"{self.path}: store is already open in this process")
+            if self.path.exists() and not self.path.is_dir():
+                raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path / "hiermem.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise HierMemError(f"{self.path}: store is open in another process") from None
+            self._lockfd = fd
+            _OPEN.add(key)
+
+    def _release_path(self) -> None:
+        with _OPEN_LOCK:
+            _OPEN.discard(os.path.realpath(self.path))
+            os.close(self._lockfd)
+
+    # -- validation ---------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self.path}: store is closed")
+
+    def table_index(self, table: str) -> int:
+        try:
+            return self._index[table]
+        except (KeyError, TypeError):
+            raise UnknownTableError(f"unknown table {table!r}; tables are {list(self._index)}") from None
+
+    def _ids(self, ti: int, ids) -> torch.Tensor:
+        if isinstance(ids, np.ndarray):
+            if ids.dtype.kind not in "iu":
+                raise InvalidTypeError(f"ids must be integers, got numpy {ids.dtype}")
+            if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
+                raise InvalidIdError(f"table {self.tables[ti].name}: ids above 2**63-1")
+            ids = torch.from_numpy(ids.astype(np.int64, copy=False))
+        if not isinstance(ids, torch.Tensor):
+            raise InvalidTypeError(f"ids must be a torch.Tensor or numpy array, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise InvalidTypeError(f"ids must have an integer dtype, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+        ids = ids.to(self.device, torch.int64)
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            spec = self.tables[ti]
+            if lo < 0 or hi > spec.max_id:
+                bad = lo if lo < 0 else hi
+                rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
+                raise InvalidIdError(f"table {spec.name}: id {bad} outside {rng}")
+        return ids
+
+    def _values(self, ti: int, n: int, values, what: str) -> torch.Tensor:
+        dim = self.tables[ti].dim
+        if not isinstance(values, torch.Tensor):
+            raise InvalidTypeError(f"{what} must be a torch.Tensor, got {type(values).__name__}")
+        if not values.is_floating_point():
+            raise InvalidTypeError(f"{what} must be floating point, got {values.dtype}")
+        if tuple(values.shape) != (n, dim):
+            raise InvalidArgumentError(f"{what} of table {self.tables[ti].name} must have shape "
+                                       f"{(n, dim)}, got {tuple(values.shape)}")
+        values = values.detach().to(self.device, torch.float32)
+        if n and not bool(torch.isfinite(values).all()):
+            raise NonFiniteGradientError(f"{what} of table {self.tables[ti].name} contain NaN or inf; nothing changed")
+        return values
+
+    def _batch(self, ti: int, ids: torch.Tensor) -> Batch:
+        k, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        n = ids.numel()
+        lastpos = torch.zeros(k.numel(), dtype=torch.int64, device=self.device)
+        lastpos.scatter_reduce_(0, inverse, torch.arange(n, device=self.device), "amax", include_self=False)
+        return Batch(torch.full_like(k, ti), k, inverse, counts, lastpos, n)
+
+    # -- residency ----------------------------------------------------------------
+    def _initial(self, t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Initial records ``[n, width]`` (cpu) of never-written rows."""
+        rec = torch.zeros((k.numel(), self.width), dtype=torch.float32)
+        fill = self.optimizer.state_init()
+        for ti in torch.unique(t).tolist():
+            m = (t == ti).nonzero().squeeze(1)
+            spec, w = self.tables[ti], self.widths[ti]
+            r = torch.full((m.numel(), w), fill, dtype=torch.float32)
+            r[:, :spec.dim] = uniform_rows(self._seed_keys[ti], k[m], spec.dim, spec.bound)
+            rec[m, :w] = r
+        return rec
+
+    def _read(self, t: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Records of non-resident rows (cpu): from LMDB if written, else initial."""
+        rec = self._initial(t, k)
+        found = torch.zeros(k.numel(), dtype=torch.bool)
+        nbytes = 0
+        for ti in torch.unique(t).tolist():
+            m = (t == ti).nonzero().squeeze(1)
+            w = self.widths[ti]
+            f, r = self._disk.read(ti, k[m].numpy(), w)
+            if f.any():
+                fm = m[torch.from_numpy(f)]
+                rec[fm, :w] = torch.from_numpy(r[f])
+                found[fm] = True
+                nbytes += int(f.sum()) * w * 4
+        self.counters.add_io(IO.BYTES_DISK_TO_HOST, nbytes)
+        return rec, found
+
+    def _write_down(self, rows: Rows, meta: bool = True, sync: bool = False) -> int:
+        """Write rows (cpu) to LMDB in one transaction (with the metadata)."""
+        groups = []
+        for ti in torch.unique(rows.t).tolist():
+            m = (rows.t == ti).nonzero().squeeze(1)
+            groups.append((ti, rows.k[m].numpy(), rows.rec[m, :self.widths[ti]].numpy()))
+        nbytes = self._disk.write(groups, meta=self._meta() if meta else None, sync=sync)
+        self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)
+        return nbytes
+
+    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool) -> Placement:
+        """Make every row of ``b`` resident (device first, host when the device is full).
+
+        All choices and all I/O that can fail (LMDB read, write-back of dirty victims)
+        happen before any tier changes, so an error leaves the store as it was.
+        """
+        dev, host = self._dev, self._host
+        dslot = dev.find(b.t, b.k)
+        in_dev = dslot >= 0
+        hit_slots = dslot[in_dev]
+        mi = (~in_dev).nonzero().squeeze(1)
+        M = mi.numel()
+        if M == 0:
+            if account:
+                dev.policy.on_access(hit_slots, clock[in_dev], b.counts[in_dev])
+                self._account_lookups(b, mi)
+            return Placement(None, dslot)
+        # ---- decide (pure) -----------------------------------------------------
+        mt, mk = b.t[mi].cpu(), b.k[mi].cpu()
+        mclock, mcount = clock[mi].cpu(), b.counts[mi].cpu()
+        hs = host.find(mt, mk)
+        m_host = hs >= 0
+        ev_d = dev.evictable(dev.slot_mask(hit_slots))
+        n_move = min(M, dev.nfree + int(ev_d.sum()))
+        m_move = torch.arange(M) < n_move
+        A, B = m_move & m_host, m_move & ~m_host  # host->device, disk->device
+        C, E = ~m_move & m_host, ~m_move & ~m_host  # stay in host, disk->host
+        n_vd = max(0, n_move - dev.nfree)
+        ev_h = host.evictable(host.slot_mask(hs[m_host]))
+        room_h = host.nfree + int(A.sum()) + int(ev_h.sum()) - int(E.sum())
+        if room_h < 0:
+            raise CapacityError(f"batch needs {M + hit_slots.numel()} rows resident at once; device ({dev.capacity}) "
+                                f"and host ({host.capacity}) tiers cannot hold them with their pinned rows")
+        # device victims go down to host while it has room; the least valuable rest
+        # (victims come sorted by eviction key) go straight to disk
+        vd = dev.policy.victims(n_vd, ev_d)
+        n_skip = max(0, n_vd - room_h)
+        vd_disk, vd_host = vd[:n_skip], vd[n_skip:]
+        n_vh = max(0, vd_host.numel() + int(E.sum()) - host.nfree - int(A.sum()))
+        vh = host.policy.victims(n_vh, ev_h)
+        # ---- I/O that may fail ----------------------------------------------
+        ondisk = ~m_host
+        rec_disk, found = self._read(mt[ondisk], mk[ondisk])
+        if account:
+            dev.policy.on_access(hit_slots, clock[in_dev], b.counts[in_dev])
+            self._account_lookups(b, mi)
+            self._account_disk(mt[ondisk], found)
+        vh_dirty = vh[host.dirty[vh]]
+        vdd_dirty = vd_disk[dev.dirty[vd_disk]]
+        if vh_dirty.numel() or vdd_dirty.numel():
+            self._write_down(Rows(torch.cat((host.keys_t[vh_dirty], dev.keys_t[vdd_dirty].cpu())),
+                                  torch.cat((host.keys_k[vh_dirty], dev.keys_k[vdd_dirty].cpu())),
+                                  torch.cat((host.data[vh_dirty], dev.data[vdd_dirty].cpu())),
+                                  torch.ones(vh_dirty.numel() + vdd_dirty.numel(), dtype=torch.bool)))
+        # ---- mutate -------------------------------------------------------------
+        self._epoch += 1
+        self._memo = None
+        for tier, slots in ((host, vh), (dev, vd_disk)):
+            gone = tier.take(slots, with_records=False)
+            self.counters.bump(tier.tier, Stat.EVICTIONS, gone.t)
+            self.counters.bump(tier.tier, Stat.WRITEBACKS, gone.t[gone.dirty])
+        up = host.take(hs[A])
+        down = dev.take(vd_host).to(host.device)
+        self.counters.bump(Tier.DEVICE, Stat.EVICTIONS, down.t)
+        self.counters.bump(Tier.DEVICE, Stat.WRITEBACKS, down.t[down.dirty])
+        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, down.rec.numel() * 4)
+        host.put(down)
+        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (up.rec.numel() + int(B.sum()) * self.width) * 4)
+        slot = dslot.clone()
+        on_device = torch.ones_like(in_dev)
+        dd = self.device
+        iA, iB = A.nonzero().squeeze(1), B.nonzero().squeeze(1)
+        sA = dev.put(up.to(dd))
+        dev.policy.on_access(sA, mclock[iA].to(dd), mcount[iA].to(dd))
+        slot[mi[iA.to(dd)]] = sA
+        dpos = torch.cumsum(ondisk.long(), 0) - 1  # row of each disk miss in rec_disk
+        sB = dev.put(Rows(mt[iB], mk[iB], rec_disk[dpos[iB]], torch.zeros(iB.numel(), dtype=torch.bool)).to(dd),
+                     mclock[iB].to(dd), mcount[iB].to(dd))
+        slot[mi[iB.to(dd)]] = sB
+        iC, iE = C.nonzero().squeeze(1), E.nonzero().squeeze(1)
+        if iC.numel() or iE.numel():
+            host.policy.on_access(hs[iC], mclock[iC], mcount[iC])
+            sE = host.put(Rows(mt[iE], mk[iE], rec_disk[dpos[iE]], torch.zeros(iE.numel(), dtype=torch.bool)),
+                          mclock[iE], mcount[iE])
+            hidx = torch.cat((iC, iE)).to(dd)
+            slot[mi[hidx]] = torch.cat((hs[iC], sE)).to(dd)
+            on_device[mi[hidx]] = False
+        return Placement(on_device, slot)
+
+    def _account_lookups(self, b: Batch, mi: torch.Tensor) -> None:
+        c = self.counters
+        t0 = int(b.t[0]) if b.t.numel() and bool((b.t == b.t[0]).all()) else None
+        if t0 is not None:
+            c.bump(Tier.DEVICE, Stat.LOOKUPS, t0, b.n)
+            c.bump(Tier.DEVICE, Stat.MISSES, t0, mi.numel())
+            c.bump(Tier.DEVICE, Stat.HITS, t0, b.n - mi.numel())
+        else:
+            looked = torch.bincount(b.t.cpu(), weights=b.counts.cpu(), minlength=c.num_tables).long()
+            missed = torch.bincount(b.t[mi].cpu(), minlength=c.num_tables)
+            c.table[:, Tier.DEVICE, Stat.LOOKUPS] += looked
+            c.table[:, Tier.DEVICE, Stat.MISSES] += missed
+            c.table[:, Tier.DEVICE, Stat.HITS] += looked - missed
+        c.bump(Tier.HOST, Stat.LOOKUPS, b.t[mi])
+
+    def _account_disk(self, t: torch.Tensor, found: torch.Tensor) -> None:
+        c = self.counters
+        c.bump(Tier.HOST, Stat.MISSES, t)
+        c.table[:, Tier.HOST, Stat.HITS] = c.table[:, Tier.HOST, Stat.LOOKUPS] - c.table[:, Tier.HOST, Stat.MISSES]
+        c.bump(Tier.DISK, Stat.LOOKUPS, t)
+        c.bump(Tier.DISK, Stat.HITS, t[found])
+        c.bump(Tier.DISK, Stat.MISSES, t[~found])
+
+    def _place(self, b: Batch, account: bool) -> Placement:
+        if account:
+            clock = b.lastpos + self._clock
+            self._clock += b.n
+        else:
+            clock = torch.full_like(b.k, self._clock)
+        return self._resolve(b, clock, account)
+
+    def _gather(self, p: Placement, cols: int) -> torch.Tensor:
+        """Records ``[U, cols]`` on the device of a placement's rows."""
+        dev = self._dev
+        if p.on_device is None:
+            src = dev.data if cols == dev.width else dev.data[:, :cols]
+            return src.index_select(0, p.slot)
+        out = torch.empty((p.slot.numel(), cols), dtype=torch.float32, device=self.device)
+        di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
+        out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
+        out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi].cpu()).to(self.device)
+        return out
+
+    def _scatter(self, p: Placement, rec: torch.Tensor) -> None:
+        """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
+        w = rec.shape[1]
+        parts = [(self._dev, None)] if p.on_device is None else [(self._dev, p.on_device), (self._host, ~p.on_device)]
+        for tier, mask in parts:
+            if mask is None:
+                slots, r = p.slot, rec
+            else:
+                idx = mask.nonzero().squeeze(1)
+                slots, r = p.slot[idx].to(tier.device), rec[idx].to(tier.device)
+            dst = tier.data if w == tier.width else tier.data[:, :w]
+            dst.index_copy_(0, slots, r)
+            tier.dirty[slots] = True
+
+    # -- public API -----------------------------------------------------------------
+    def lookup(self, table: str, ids) -> torch.Tensor:
+        """Rows ``[len(ids), dim]`` (float32, on ``config.device``) of ``ids`` of ``table``.
+
+        Duplicate ids are allowed.  Rows are promoted to the device tier (or the host
+        tier when the device tier cannot hold the batch).
+
+        Raises:
+            InvalidIdError, InvalidTypeError, InvalidArgumentError, UnknownTableError,
+            CapacityError, StoreClosedError, DiskFullError.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            dim = self.tables[ti].dim
+            if ids.numel() == 0:
+                return torch.empty((0, dim), dtype=torch.float32, device=self.device)
+            b = self._batch(ti, ids)
+            p = self._place(b, account=True)
+            self._memo = (ids, ids._version, b, p, self._epoch)
+            return self._gather(p, dim).index_select(0, b.inverse)
+
+    def _memo_for(self, ids: torch.Tensor) -> tuple[Batch, Placement] | None:
+        m = self._memo
+        if m is not None and m[0] is ids and m[1] == ids._version and m[4] == self._epoch:
+            return m[2], m[3]
+        return None
+
+    def update(self, table: str, ids, grads: torch.Tensor) -> None:
+        """Apply the optimizer to the rows of ``ids`` with gradients ``grads [n, dim]``.
+
+        Gradients of duplicate ids are summed, then each distinct row takes one optimizer
+        step in place in its tier (no dense gradient).  NaN/inf gradients are refused
+        before anything changes.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids_in = ids
+            ids = self._ids(ti, ids)
+            grads = self._values(ti, ids.numel(), grads, "grads")
+            if ids.numel() == 0:
+                return
+            memo = self._memo_for(ids_in) if isinstance(ids_in, torch.Tensor) and ids_in.device == self.device \
+                and ids_in.dtype == torch.int64 else None
+            b, p = memo if memo is not None else (None, None)
+            if b is None:
+                b = self._batch(ti, ids)
+                p = self._place(b, account=False)
+            dim, w = self.tables[ti].dim, self.widths[ti]
+            g = torch.zeros((b.k.numel(), dim), dtype=torch.float32, device=self.device).index_add_(0, b.inverse, grads)
+            rec = self._gather(p, w)
+            self._steps[ti] += 1
+            self.optimizer.apply(rec, g, dim, self._steps[ti])
+            self._scatter(p, rec)
+            self.counters.add_io(IO.UPDATES, 1)
+            self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+
+    def write(self, table: str, ids, values: torch.Tensor) -> None:
+        """Set the weights of rows (e.g. to import an ``nn.EmbeddingBag``).
+
+        Their optimizer state is reset to its initial value.  For duplicate ids the
+        last value wins.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            values = self._values(ti, ids.numel(), values, "values")
+            if ids.numel() == 0:
+                return
+            b = self._batch(ti, ids)
+            p = self._place(b, account=False)
+            dim, w = self.tables[ti].dim, self.widths[ti]
+            rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32, device=self.device)
+            rec[:, :dim] = values.index_select(0, b.lastpos)
+            self._scatter(p, rec)
+
+    def flush(self) -> None:
+        """Write every dirty row to LMDB in one transaction and sync it to disk."""
+        with self._lock:
+            self._check_open()
+            parts = []
+            for tier in (self._dev, self._host):
+                s = tier.dirty.nonzero().squeeze(1)
+                parts.append((tier, s))
+            rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.data[s].cpu(), tier.dirty[s].cpu())
+                    for tier, s in parts]
+            allrows = Rows(*(torch.cat([getattr(r, f) for r in rows]) for f in ("t", "k", "rec", "dirty")))
+            self._write_down(allrows, meta=True, sync=True)
+            for tier, s in parts:
+                tier.dirty[s] = False
+            self.counters.add_io(IO.FLUSHES, 1)
+            self.counters.add_io(IO.FLUSHED_ROWS, len(allrows))
+
+    def close(self) -> None:
+        """Flush and close.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self._disk.close()
+                self._release_path()
+
+    def __enter__(self) -> "HierarchicalStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- introspection ------------------------------------------------------------------
+    def where(self, table: str, ids) -> torch.Tensor:
+        """The :class:`Tier` (as int64 codes) holding each row's latest value."""
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            t = torch.full_like(ids, ti)
+            out = torch.full((ids.numel(),), int(Tier.INIT), dtype=torch.int64)
+            on_dev = (self._dev.find(t, ids) >= 0).cpu()
+            on_host = self._host.find(t.cpu(), ids.cpu()) >= 0
+            found, _ = self._disk.read(ti, ids.cpu().numpy(), self.widths[ti])
+            out[torch.from_numpy(found)] = int(Tier.DISK)
+            out[on_host] = int(Tier.HOST)
+            out[on_dev] = int(Tier.DEVICE)
+            return out
+
+    def stats(self) -> dict:
+        """Counters per table and tier, plus store-wide I/O; see :mod:`hiermem.stats`."""
+        with self._lock:
+            c = self.counters
+            occ = {}
+            for tier in (self._dev, self._host):
+                kt = tier.keys_t[tier.keys_t >= 0].cpu()
+                occ[tier.tier] = torch.bincount(kt, minlength=len(self.tables)).tolist()
+            out: dict = {}
+            for i, s in enumerate(self.tables):
+                per = {}
+                for tier in STAT_TIERS:
+                    d = {st.name.lower(): int(c.table[i, tier, st]) for st in Stat}
+                    if tier in occ:
+                        d["occupancy"] = occ[tier][i]
+                    per[tier.label] = d
+                out[s.name] = per
+            out["_store"] = {
+                **{k.name.lower(): int(c.io[k]) for k in IO},
+                "device_capacity": self._dev.capacity, "host_capacity": self._host.capacity,
+                "device_occupancy": self._dev.occupancy, "host_occupancy": self._host.occupancy,
+                "device_dirty": int(self._dev.dirty.sum()), "host_dirty": int(self._host.dirty.sum()),
+                "disk_rows": self._disk.count() if not self._closed else None,
+                "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
+            }
+            return out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (f"HierarchicalStore({self.path}, tables={[s.name for s in self.tables]}, "
+                f"device={self.device}, device_rows={self._dev.capacity}, host_rows={self._host.capacity}, "
+                f"policy={self.policy.name}, optimizer={self.optimizer.name})")

@@ -1,0 +1,6 @@
+"""The tiers of the hierarchy: fixed-slot device and host tiers over an LMDB disk tier."""
+
+from .disk import DiskTier
+from .slots import SlotTier
+
+__all__ = ["DiskTier", "SlotTier"]

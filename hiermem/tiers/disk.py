@@ -1,0 +1,204 @@
+"""The disk tier: every row not held above lives in an LMDB environment.
+
+Keys are 12 bytes, big-endian ``(table index u32, id u64)``, so LMDB's byte order is
+numeric order.  A value is the row's record (weights then optimizer state) as
+little-endian float32.  A sub-database ``meta`` holds the store's layout as JSON.
+
+Reads are one ``getmulti`` per batch, writes one transaction per batch (``putmulti``).
+When LMDB's map fills, the map doubles and the transaction is retried; a real disk-full
+error aborts the transaction (nothing is written) and raises :class:`DiskFullError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterable
+
+import lmdb
+import numpy as np
+
+from ..errors import DiskFullError, HierMemError, StoreFormatError
+
+KEY_DTYPE = np.dtype([("t", ">u4"), ("k", ">u8")])
+META_KEY = b"store"
+FORMAT = "hiermem-store"
+FORMAT_VERSION = 1
+
+
+def encode_keys(t: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Keys as an ``S12`` array (sortable; use :func:`key_list` for LMDB, as ``S``
+    conversion to ``bytes`` drops trailing zero bytes)."""
+    a = np.empty(len(k), dtype=KEY_DTYPE)
+    a["t"] = t
+    a["k"] = k
+    return a.view("S12")
+
+
+def key_list(keys: np.ndarray) -> list[bytes]:
+    """``S12`` keys as a list of 12-byte ``bytes`` (``V12`` keeps trailing zeros)."""
+    return keys.view("V12").tolist()
+
+
+def _is_enospc(e: BaseException) -> bool:
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+
+
+class DiskTier:
+    """An LMDB environment at ``path`` (a directory).
+
+    Args:
+        path: directory of the environment; created (mode 0700) when ``create``.
+        create: allow creating a new environment.
+        map_size: initial map size in bytes; doubled whenever it fills.
+    """
+
+    def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28):
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
+        data = self.path / "data.mdb"
+        if not data.exists():
+            if not create:
+                raise StoreFormatError(self.path, "not a hiermem store (no data.mdb)")
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif data.stat().st_size < 8192:  # two meta pages
+            raise StoreFormatError(self.path, f"corrupt store: {data} is truncated ({data.stat().st_size} bytes)")
+        try:
+            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4, mode=0o600,
+                                 readahead=False, meminit=False, create=create)
+            self.rows_db = self.env.open_db(b"rows")
+            self.meta_db = self.env.open_db(b"meta")
+        except lmdb.Error as e:
+            if _is_enospc(e):
+                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full creating the store") from e
+            raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
+        for f in (data, self.path / "lock.mdb"):
+            if f.exists():
+                os.chmod(f, 0o600)
+        self.map_size = self.env.info()["map_size"]
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # -- metadata ---------------------------------------------------------------
+    def read_meta(self) -> dict | None:
+        """The store's layout, or None for a fresh environment."""
+        try:
+            with self.env.begin(db=self.meta_db) as txn:
+                raw = txn.get(META_KEY)
+        except lmdb.Error as e:
+            raise StoreFormatError(self.path, f"cannot read store metadata: {e}") from e
+        if raw is None:
+            with self.env.begin() as txn:  # a foreign LMDB has other keys in its main db
+                names = [k for k, _ in txn.cursor()]
+            if set(names) - {b"rows", b"meta"}:
+                raise StoreFormatError(self.path, "an LMDB environment, but not a hiermem store")
+            return None
+        try:
+            meta = json.loads(raw)
+        except ValueError as e:
+            raise StoreFormatError(self.path, f"corrupt store metadata: {e}") from e
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise StoreFormatError(self.path, "not a hiermem store (bad format marker)")
+        if meta.get("version") != FORMAT_VERSION:
+            raise StoreFormatError(self.path, f"store format version {meta.get('version')} is not {FORMAT_VERSION}")
+        return meta
+
+    @staticmethod
+    def _meta_bytes(meta: dict) -> bytes:
+        return json.dumps({**meta, "format": FORMAT, "version": FORMAT_VERSION}, sort_keys=True).encode()
+
+    # -- rows -------------------------------------------------------------------
+    def read(self, table: int, ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Records of ``ids`` of one table: ``(found bool[n], records float32[n, width])``.
+
+        Rows not found are left zero in ``records``.
+        """
+        n = len(ids)
+        found = np.zeros(n, dtype=bool)
+        out = np.zeros((n, width), dtype=np.float32)
+        if n == 0:
+            return found, out
+        keys = encode_keys(np.full(n, table, dtype=np.uint32), ids)
+        order = np.argsort(keys, kind="stable")
+        skeys = keys[order]
+        try:
+            with self.env.begin(db=self.rows_db, buffers=False) as txn:
+                res = txn.cursor().getmulti(key_list(skeys))
+        except lmdb.Error as e:
+            raise StoreFormatError(self.path, f"LMDB read failed: {e}") from e
+        if res:
+            fk = np.frombuffer(b"".join([kv[0] for kv in res]), dtype="S12")
+            raw = b"".join([kv[1] for kv in res])
+            if len(raw) != len(res) * width * 4:
+                raise StoreFormatError(self.path, f"corrupt store: table {table} records are not {width} floats")
+            pos = order[np.searchsorted(skeys, fk)]
+            found[pos] = True
+            out[pos] = np.frombuffer(raw, dtype="<f4").reshape(len(res), width)
+            self.bytes_read += len(raw)
+        return found, out
+
+    def write(self, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], meta: dict | None = None,
+              sync: bool = False) -> int:
+        """Write ``(table, ids, records)`` groups (and ``meta``) in one transaction.
+
+        Returns the number of bytes of records written.
+
+        Raises:
+            DiskFullError: the disk is full; the transaction was aborted.
+        """
+        items = []
+        nbytes = 0
+        for table, ids, rec in groups:
+            if len(ids) == 0:
+                continue
+            rec = np.ascontiguousarray(rec, dtype="<f4")
+            keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
+            vals = rec.view(f"V{rec.shape[1] * 4}").reshape(len(ids))
+            items.append((key_list(keys), vals.tolist()))
+            nbytes += rec.nbytes
+        meta_raw = None if meta is None else self._meta_bytes(meta)
+
+        def txn_body(txn: lmdb.Transaction) -> None:
+            cur = txn.cursor(db=self.rows_db)
+            for ks, vs in items:
+                cur.putmulti(zip(ks, vs))
+            if meta_raw is not None:
+                txn.put(META_KEY, meta_raw, db=self.meta_db)
+
+        self._write_txn(txn_body)
+        if sync:
+            self.sync()
+        self.bytes_written += nbytes
+        return nbytes
+
+    def _write_txn(self, body: Callable[[lmdb.Transaction], None]) -> None:
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    body(txn)
+                return
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                self.env.set_mapsize(self.map_size)
+            except lmdb.Error as e:
+                if _is_enospc(e):
+                    raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full; the write was not made") from e
+                raise HierMemError(f"{self.path}: LMDB write failed: {e}") from e
+
+    def sync(self) -> None:
+        try:
+            self.env.sync(True)
+        except lmdb.Error as e:
+            if _is_enospc(e):
+                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full during sync") from e
+            raise HierMemError(f"{self.path}: LMDB sync failed: {e}") from e
+
+    def count(self) -> int:
+        with self.env.begin(db=self.rows_db) as txn:
+            return txn.stat(self.rows_db)["entries"]
+
+    def close(self) -> None:
+        self.env.close()

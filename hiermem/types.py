@@ -1,0 +1,131 @@
+"""Plain value types: table specs, tiers, store configuration."""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+from .errors import InvalidArgumentError, InvalidTypeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optim import Optimizer
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
+
+#: Largest id accepted by an unbounded table (ids are non-negative int64).
+MAX_ID = 2**63 - 1
+
+
+class Tier(enum.IntEnum):
+    """Where a row's latest value lives.  The hierarchy is *exclusive* above disk."""
+
+    DEVICE = 0  #: a slot of the device tier (GPU HBM, or ``cpu``)
+    HOST = 1  #: a slot of the host tier (pinned host memory when CUDA is present)
+    DISK = 2  #: the LMDB store on disk
+    INIT = 3  #: never written: the value is the deterministic initialiser's
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table.
+
+    Args:
+        name: identifier (letters, digits, ``_.-``), unique in a store.
+        num_rows: number of rows, or ``None`` for an unbounded table whose ids are any
+            non-negative int64 (hashed feature ids).  Unbounded tables cost nothing
+            until a row is touched.
+        dim: embedding dimension.
+        init_bound: rows start uniform in ``[-init_bound, init_bound]``; defaults to
+            ``1 / sqrt(dim)``.
+    """
+
+    name: str
+    num_rows: Optional[int]
+    dim: int
+    init_bound: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise InvalidArgumentError(f"table name {self.name!r} must match {_NAME.pattern}")
+        if self.num_rows is not None:
+            if isinstance(self.num_rows, bool) or not isinstance(self.num_rows, int):
+                raise InvalidTypeError(f"table {self.name}: num_rows must be an int or None")
+            if self.num_rows <= 0:
+                raise InvalidArgumentError(f"table {self.name}: num_rows must be > 0, got {self.num_rows}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim <= 0:
+            raise InvalidArgumentError(f"table {self.name}: dim must be a positive int, got {self.dim!r}")
+        if self.init_bound is not None and not (math.isfinite(self.init_bound) and self.init_bound >= 0):
+            raise InvalidArgumentError(f"table {self.name}: init_bound must be finite and >= 0")
+
+    @property
+    def bound(self) -> float:
+        return self.init_bound if self.init_bound is not None else 1.0 / math.sqrt(self.dim)
+
+    @property
+    def max_id(self) -> int:
+        return MAX_ID if self.num_rows is None else self.num_rows - 1
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "num_rows": self.num_rows, "dim": self.dim, "init_bound": self.bound}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TableSpec":
+        return cls(d["name"], d["num_rows"], int(d["dim"]), float(d["init_bound"]))
+
+
+def default_device() -> str:
+    """``"cuda"`` when a GPU is usable, else ``"cpu"``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """How a :class:`~hiermem.HierarchicalStore` is laid out.
+
+    Args:
+        path: directory of the LMDB store (created if missing).
+        device: device of the device tier (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+        device_rows: slots in the device tier (rows of any table; padded to the widest).
+        host_rows: slots in the host tier (pinned host memory when CUDA is present).
+        policy: ``"lru"``, ``"lfu"``, or the path of a policy TOML file.
+        optimizer: the row optimizer applied by ``update`` (default ``SGD(lr=0.01)``).
+        seed: seed of the per-row initialiser.
+        map_size: initial LMDB map size in bytes; it grows automatically when full.
+    """
+
+    path: Union[str, os.PathLike]
+    device: str = "cpu"
+    device_rows: int = 10_000
+    host_rows: int = 100_000
+    policy: str = "lru"
+    optimizer: Optional["Optimizer"] = None
+    seed: int = 0
+    map_size: int = 1 << 28
+
+    def __post_init__(self) -> None:
+        for name in ("device_rows", "host_rows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidTypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v <= 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {v}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise InvalidArgumentError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.map_size, int) or self.map_size < 1 << 20:
+            raise InvalidArgumentError("map_size must be an int >= 1 MiB")
+        if not isinstance(self.policy, (str, os.PathLike)):
+            raise InvalidTypeError("policy must be a name or a path")
+        if self.optimizer is None:
+            from .optim import SGD
+
+            object.__setattr__(self, "optimizer", SGD(lr=0.01))

@@ -32,6 +32,7 @@ from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidI
                      UnknownTableError)
 from .eviction import resolve_policy
 from .hashing import mix_scalar, uniform_rows
+from .index import SlotIndex
 from .optim import Optimizer, optimizer_from_dict
 from .stats import IO, STAT_TIERS, Counters, Stat
 from .tiers import DiskTier, SlotTier
@@ -40,6 +41,17 @@ from .types import StoreConfig, TableSpec, Tier
 
 _OPEN: set[str] = set()  # store directories open in this process
 _OPEN_LOCK = threading.Lock()
+
+
+def initial_records(spec: TableSpec, table_index: int, seed: int, optimizer: Optimizer,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """Records ``[n, dim + state]`` of rows never written: weights ``U[-bound, bound)`` from
+    a counter-based hash of ``(seed, table, id)``, optimizer state at its initial value."""
+    key = mix_scalar(seed, table_index, spec.num_rows or 0, spec.dim)
+    rec = torch.full((ids.numel(), spec.dim + optimizer.state_width(spec.dim)), optimizer.state_init(),
+                     dtype=torch.float32, device=ids.device)
+    rec[:, :spec.dim] = uniform_rows(key, ids, spec.dim, spec.bound)
+    return rec
 
 
 @dataclass
@@ -92,7 +104,6 @@ class HierarchicalStore:
         self.policy = resolve_policy(config.policy)
         self.widths = [s.dim + self.optimizer.state_width(s.dim) for s in tables]
         self.width = max(self.widths)
-        self._seed_keys = [mix_scalar(config.seed, i, s.num_rows or 0, s.dim) for i, s in enumerate(tables)]
         self._lock = threading.RLock()
         self._closed = True
         self.path = Path(config.path).absolute()
@@ -108,9 +119,11 @@ class HierarchicalStore:
             self._release_path()
             raise
         cuda = torch.cuda.is_available()
-        self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy)
+        self._keys = SlotIndex(config.device_rows + config.host_rows, self.device)
+        self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy,
+                             self._keys, base=0)
         self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
-                              pin_memory=cuda)
+                              self._keys, base=config.device_rows, pin_memory=cuda)
         self.counters = Counters(len(tables))
         self._clock = 0
         self._epoch = 0  # bumped whenever any row changes tier
@@ -228,7 +241,7 @@ class HierarchicalStore:
                 raise InvalidIdError(f"table {spec.name}: id {bad} outside {rng}")
         return ids
 
-    def _values(self, ti: int, n: int, values, what: str) -> torch.Tensor:
+    def _values(self, ti: int, n: int, values, what: str, check_finite: bool = True) -> torch.Tensor:
         dim = self.tables[ti].dim
         if not isinstance(values, torch.Tensor):
             raise InvalidTypeError(f"{what} must be a torch.Tensor, got {type(values).__name__}")
@@ -238,7 +251,7 @@ class HierarchicalStore:
             raise InvalidArgumentError(f"{what} of table {self.tables[ti].name} must have shape "
                                        f"{(n, dim)}, got {tuple(values.shape)}")
         values = values.detach().to(self.device, torch.float32)
-        if n and not bool(torch.isfinite(values).all()):
+        if check_finite and n and not bool(torch.isfinite(values).all()):
             raise NonFiniteGradientError(f"{what} of table {self.tables[ti].name} contain NaN or inf; nothing changed")
         return values
 
@@ -253,13 +266,9 @@ class HierarchicalStore:
     def _initial(self, t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Initial records ``[n, width]`` (cpu) of never-written rows."""
         rec = torch.zeros((k.numel(), self.width), dtype=torch.float32)
-        fill = self.optimizer.state_init()
         for ti in torch.unique(t).tolist():
             m = (t == ti).nonzero().squeeze(1)
-            spec, w = self.tables[ti], self.widths[ti]
-            r = torch.full((m.numel(), w), fill, dtype=torch.float32)
-            r[:, :spec.dim] = uniform_rows(self._seed_keys[ti], k[m], spec.dim, spec.bound)
-            rec[m, :w] = r
+            rec[m, :self.widths[ti]] = initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, k[m])
         return rec
 
     def _read(self, t: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,8 +305,9 @@ class HierarchicalStore:
         happen before any tier changes, so an error leaves the store as it was.
         """
         dev, host = self._dev, self._host
-        dslot = dev.find(b.t, b.k)
-        in_dev = dslot >= 0
+        g = self._keys.find(b.t, b.k)
+        in_dev = (g >= 0) & (g < dev.capacity)
+        dslot = torch.where(in_dev, g, -1)
         hit_slots = dslot[in_dev]
         mi = (~in_dev).nonzero().squeeze(1)
         M = mi.numel()
@@ -309,7 +319,7 @@ class HierarchicalStore:
         # ---- decide (pure) -----------------------------------------------------
         mt, mk = b.t[mi].cpu(), b.k[mi].cpu()
         mclock, mcount = clock[mi].cpu(), b.counts[mi].cpu()
-        hs = host.find(mt, mk)
+        hs = g[mi].cpu() - host.base
         m_host = hs >= 0
         ev_d = dev.evictable(dev.slot_mask(hit_slots))
         n_move = min(M, dev.nfree + int(ev_d.sum()))
@@ -350,19 +360,21 @@ class HierarchicalStore:
             gone = tier.take(slots, with_records=False)
             self.counters.bump(tier.tier, Stat.EVICTIONS, gone.t)
             self.counters.bump(tier.tier, Stat.WRITEBACKS, gone.t[gone.dirty])
-        up = host.take(hs[A])
-        down = dev.take(vd_host).to(host.device)
+        # rows moving between tiers keep their index entries, re-pointed all at once
+        up = host.take(hs[A], unindex=False)
+        down = dev.take(vd_host, unindex=False).to(host.device)
         self.counters.bump(Tier.DEVICE, Stat.EVICTIONS, down.t)
         self.counters.bump(Tier.DEVICE, Stat.WRITEBACKS, down.t[down.dirty])
         self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, down.rec.numel() * 4)
-        host.put(down)
         self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (up.rec.numel() + int(B.sum()) * self.width) * 4)
-        slot = dslot.clone()
-        on_device = torch.ones_like(in_dev)
         dd = self.device
         iA, iB = A.nonzero().squeeze(1), B.nonzero().squeeze(1)
-        sA = dev.put(up.to(dd))
+        sA = dev.put(up.to(dd), index=False)
+        sD = host.put(down, index=False)
+        self._keys.move_slots(torch.cat((host.g(hs[A]), dev.g(vd_host))), torch.cat((dev.g(sA), host.g(sD))))
         dev.policy.on_access(sA, mclock[iA].to(dd), mcount[iA].to(dd))
+        slot = dslot.clone()
+        on_device = torch.ones_like(in_dev)
         slot[mi[iA.to(dd)]] = sA
         dpos = torch.cumsum(ondisk.long(), 0) - 1  # row of each disk miss in rec_disk
         sB = dev.put(Rows(mt[iB], mk[iB], rec_disk[dpos[iB]], torch.zeros(iB.numel(), dtype=torch.bool)).to(dd),
@@ -476,7 +488,7 @@ class HierarchicalStore:
             ti = self.table_index(table)
             ids_in = ids
             ids = self._ids(ti, ids)
-            grads = self._values(ti, ids.numel(), grads, "grads")
+            grads = self._values(ti, ids.numel(), grads, "grads", check_finite=False)
             if ids.numel() == 0:
                 return
             memo = self._memo_for(ids_in) if isinstance(ids_in, torch.Tensor) and ids_in.device == self.device \
@@ -487,6 +499,11 @@ class HierarchicalStore:
                 p = self._place(b, account=False)
             dim, w = self.tables[ti].dim, self.widths[ti]
             g = torch.zeros((b.k.numel(), dim), dtype=torch.float32, device=self.device).index_add_(0, b.inverse, grads)
+            # NaN/inf in any gradient survives the per-row sums (inf-inf is NaN), so one
+            # reduction over the summed rows checks them all, before anything changes
+            if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
+                raise NonFiniteGradientError(f"grads of table {self.tables[ti].name} contain NaN or inf "
+                                             "(or their per-row sums overflow); nothing changed")
             rec = self._gather(p, w)
             self._steps[ti] += 1
             self.optimizer.apply(rec, g, dim, self._steps[ti])
@@ -556,10 +573,10 @@ class HierarchicalStore:
             self._check_open()
             ti = self.table_index(table)
             ids = self._ids(ti, ids)
-            t = torch.full_like(ids, ti)
+            g = self._keys.find(torch.full_like(ids, ti), ids).cpu()
             out = torch.full((ids.numel(),), int(Tier.INIT), dtype=torch.int64)
-            on_dev = (self._dev.find(t, ids) >= 0).cpu()
-            on_host = self._host.find(t.cpu(), ids.cpu()) >= 0
+            on_dev = (g >= 0) & (g < self._dev.capacity)
+            on_host = g >= self._host.base
             found, _ = self._disk.read(ti, ids.cpu().numpy(), self.widths[ti])
             out[torch.from_numpy(found)] = int(Tier.DISK)
             out[on_host] = int(Tier.HOST)
@@ -592,6 +609,30 @@ class HierarchicalStore:
                 "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
             }
             return out
+
+    def audit(self) -> None:
+        """Check the internal invariants (a debugging aid; O(capacity)).
+
+        Every resident row is in exactly one slot of one tier, the index maps it there,
+        and the index holds nothing else.
+
+        Raises:
+            AssertionError: an invariant is broken.
+        """
+        with self._lock:
+            ts, ks, gs = [], [], []
+            for tier in (self._dev, self._host):
+                occ = tier.occupied()
+                assert occ.numel() == tier.occupancy, f"{tier.tier.label}: free list and keys disagree"
+                assert not bool(tier.dirty[tier.keys_t < 0].any()), f"{tier.tier.label}: dirty free slot"
+                ts.append(tier.keys_t[occ].to(self.device))
+                ks.append(tier.keys_k[occ].to(self.device))
+                gs.append(tier.g(occ))
+            t, k, g = torch.cat(ts), torch.cat(ks), torch.cat(gs)
+            assert self._keys.size == t.numel(), "index size differs from resident rows"
+            assert bool((self._keys.find(t, k) == g).all()), "index does not map a resident row to its slot"
+            pairs = torch.stack((t, k), 1)
+            assert torch.unique(pairs, dim=0).shape[0] == t.numel(), "a row is resident twice"
 
     @property
     def closed(self) -> bool:

@@ -1,8 +1,10 @@
 """A fixed-capacity tier of row slots: the device tier and the host tier are both one.
 
 The tier owns its slots (a float32 tensor ``[capacity, width]``), the key of each slot,
-its dirty bit and pin count, a :class:`~hiermem.index.KeyIndex` from keys to slots, and
-the eviction policy that scores its slots.  It moves whole batches of rows in and out;
+its dirty bit and pin count, and the eviction policy that scores its slots.  The tiers of
+a store share one :class:`~hiermem.index.SlotIndex` from keys to *global* slots (this
+tier's slot ``s`` is global slot ``base + s``), so finding a batch's rows is one probe and
+moving a row between tiers re-points its bucket instead of re-hashing it.  It moves whole batches of rows in and out;
 what goes where is decided by the store.  Not thread-safe: the store's lock guards it.
 """
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..eviction import PolicySpec
-from ..index import KeyIndex
+from ..index import SlotIndex
 from ..types import Tier
 
 
@@ -39,7 +41,7 @@ class SlotTier:
     """``capacity`` slots of ``width`` floats on ``device``."""
 
     def __init__(self, tier: Tier, capacity: int, width: int, device: torch.device,
-                 policy: PolicySpec, pin_memory: bool = False):
+                 policy: PolicySpec, index: SlotIndex, base: int, pin_memory: bool = False):
         self.tier = tier
         self.capacity = int(capacity)
         self.width = int(width)
@@ -50,7 +52,8 @@ class SlotTier:
         self.keys_k = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self.dirty = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         self.pins = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
-        self.index = KeyIndex(self.capacity, self.device)
+        self.index = index
+        self.base = int(base)
         self.policy = policy.build(self.capacity, self.device)
         self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
         self.nfree = self.capacity
@@ -59,9 +62,9 @@ class SlotTier:
     def occupancy(self) -> int:
         return self.capacity - self.nfree
 
-    def find(self, t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Slot of each key, -1 where the row is not in this tier."""
-        return self.index.find(t, k)
+    def g(self, slots: torch.Tensor) -> torch.Tensor:
+        """Global slot numbers (on the index's device)."""
+        return slots.to(self.index.device) + self.base
 
     def evictable(self, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """Occupied, unpinned slots not in ``exclude`` (a bool mask per slot)."""
@@ -75,12 +78,16 @@ class SlotTier:
         m[slots] = True
         return m
 
-    def take(self, slots: torch.Tensor, with_records: bool = True) -> Rows:
-        """Remove the rows in ``slots`` from the tier and return them."""
+    def take(self, slots: torch.Tensor, with_records: bool = True, unindex: bool = True) -> Rows:
+        """Remove the rows in ``slots`` from the tier and return them.
+
+        ``unindex=False`` leaves their index entries, to be re-pointed by the caller.
+        """
         rows = Rows(self.keys_t.index_select(0, slots), self.keys_k.index_select(0, slots),
                     self.data.index_select(0, slots) if with_records else self.data[:0],
                     self.dirty.index_select(0, slots), self.policy.carry(slots))
-        self.index.remove(rows.t, rows.k)
+        if unindex:
+            self.index.remove_slots(self.g(slots))
         self.policy.on_remove(slots)
         self.keys_t[slots] = -1
         self.dirty[slots] = False
@@ -89,10 +96,14 @@ class SlotTier:
         self.nfree += n
         return rows
 
-    def put(self, rows: Rows, clock: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    def put(self, rows: Rows, clock: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+            index: bool = True) -> torch.Tensor:
         """Place rows (absent from this tier) into free slots; returns the slots.
 
-        Policy state comes from ``rows.carried`` when set, else from ``clock``/``counts``.
+        New rows are added to the index; rows moved from another tier (taken with
+        ``unindex=False``) pass ``index=False`` and the caller re-points their entries
+        with :meth:`SlotIndex.move_slots`.  Policy state comes from ``rows.carried``
+        when set, else from ``clock``/``counts``.
         """
         n = len(rows)
         assert n <= self.nfree, "SlotTier.put without room"
@@ -106,7 +117,8 @@ class SlotTier:
         self.keys_t[slots] = rows.t
         self.keys_k[slots] = rows.k
         self.dirty[slots] = rows.dirty
-        self.index.insert(rows.t, rows.k, slots)
+        if index:
+            self.index.insert(rows.t.to(self.index.device), rows.k.to(self.index.device), self.g(slots))
         if rows.carried is not None:
             self.policy.on_carry_in(slots, rows.carried)
         else:
@@ -117,4 +129,4 @@ class SlotTier:
         return (self.keys_t >= 0).nonzero().squeeze(1)
 
     def nbytes(self) -> int:
-        return self.data.numel() * 4 + self.index.nbytes() + self.capacity * 21
+        return self.data.numel() * 4 + self.capacity * 21

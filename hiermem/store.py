@@ -99,8 +99,11 @@ class HierarchicalStore:
         self._index = {s.name: i for i, s in enumerate(tables)}
         self.optimizer: Optimizer = config.optimizer
         self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidArgumentError("device='cuda' but CUDA is not available")
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidArgumentError("device='cuda' but CUDA is not available")
+            if self.device.index is None:  # tensors report cuda:N; compare like with like
+                self.device = torch.device("cuda", torch.cuda.current_device())
         self.policy = resolve_policy(config.policy)
         self.widths = [s.dim + self.optimizer.state_width(s.dim) for s in tables]
         self.width = max(self.widths)

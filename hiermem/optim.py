@@ -42,6 +42,14 @@ class Optimizer(ABC):
         ``step`` is the table's update count including this one (1 on the first update).
         """
 
+    def apply_slots(self, data: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, dim: int, width: int,
+                    step: int) -> None:
+        """Update the records in rows ``slots`` (distinct) of a tier's ``data`` in place."""
+        view = data if width == data.shape[1] else data[:, :width]
+        rec = view.index_select(0, slots)
+        self.apply(rec, grad, dim, step)
+        view.index_copy_(0, slots, rec)
+
     def to_dict(self) -> dict:
         return {"name": self.name, **asdict(self)}  # type: ignore[call-overload]
 
@@ -61,6 +69,11 @@ class SGD(Optimizer):
 
     def apply(self, rec, grad, dim, step):
         rec[:, :dim].add_(grad, alpha=-self.lr)
+
+    def apply_slots(self, data, slots, grad, dim, width, step):
+        # no state: add straight into the slots (slots are distinct: one add per row)
+        view = data if dim == data.shape[1] else data[:, :dim]
+        view.index_add_(0, slots, grad, alpha=-self.lr)
 
 
 @dataclass(frozen=True)

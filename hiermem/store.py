@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidIdError, InvalidTypeError,
                      LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError,
@@ -436,16 +437,23 @@ class HierarchicalStore:
         out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi].cpu()).to(self.device)
         return out
 
+    def _parts(self, p: Placement):
+        """``(tier, slots, idx)`` per tier holding rows of ``p``; ``idx`` picks the rows of
+        the batch in that tier (None: all of them, on the device)."""
+        if p.on_device is None:
+            return [(self._dev, p.slot, None)]
+        out = []
+        for tier, mask in ((self._dev, p.on_device), (self._host, ~p.on_device)):
+            idx = mask.nonzero().squeeze(1)
+            if idx.numel():
+                out.append((tier, p.slot.index_select(0, idx).to(tier.device), idx))
+        return out
+
     def _scatter(self, p: Placement, rec: torch.Tensor) -> None:
         """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
         w = rec.shape[1]
-        parts = [(self._dev, None)] if p.on_device is None else [(self._dev, p.on_device), (self._host, ~p.on_device)]
-        for tier, mask in parts:
-            if mask is None:
-                slots, r = p.slot, rec
-            else:
-                idx = mask.nonzero().squeeze(1)
-                slots, r = p.slot[idx].to(tier.device), rec[idx].to(tier.device)
+        for tier, slots, idx in self._parts(p):
+            r = rec if idx is None else rec.index_select(0, idx).to(tier.device)
             dst = tier.data if w == tier.width else tier.data[:, :w]
             dst.index_copy_(0, slots, r)
             tier.dirty[slots] = True
@@ -470,12 +478,100 @@ class HierarchicalStore:
                 return torch.empty((0, dim), dtype=torch.float32, device=self.device)
             b = self._batch(ti, ids)
             p = self._place(b, account=True)
-            self._memo = (ids, ids._version, b, p, self._epoch)
-            return self._gather(p, dim).index_select(0, b.inverse)
+            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            return self._rows(p, b, dim)
 
-    def _memo_for(self, ids: torch.Tensor) -> tuple[Batch, Placement] | None:
+    def _rows(self, p: Placement, b: Batch, dim: int) -> torch.Tensor:
+        """Rows ``[n, dim]`` of every id of the batch (one gather when all are on device)."""
+        if p.on_device is None:
+            src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
+            return src.index_select(0, p.slot.index_select(0, b.inverse))
+        return self._gather(p, dim).index_select(0, b.inverse)
+
+    def _offsets(self, n: int, offsets) -> torch.Tensor:
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
+                or offsets.dim() != 1:
+            raise InvalidTypeError("offsets must be a 1-D int64/int32 tensor")
+        offsets = offsets.to(self.device, torch.int64)
+        if offsets.numel() == 0:
+            raise InvalidArgumentError("offsets must have one entry per bag (at least one)")
+        if int(offsets[0]) != 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any()):
+            raise InvalidArgumentError(f"offsets must start at 0, not decrease and not pass len(ids)={n}")
+        return offsets
+
+    def _bags(self, n: int, offsets: torch.Tensor, mode: str, psw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bag of each id, and the per-id scale (per-sample weight, 1/len for mean)."""
+        if mode not in ("sum", "mean"):
+            raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
+        bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=self.device), lengths)
+        scale = None
+        if psw is not None:
+            if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):
+                raise InvalidArgumentError(f"per_sample_weights must be a float tensor of shape ({n},)")
+            if mode != "sum":
+                raise InvalidArgumentError("per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
+            scale = psw.detach().to(self.device, torch.float32)
+        elif mode == "mean":
+            scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
+        return bag, scale
+
+    def lookup_pooled(self, table: str, ids, offsets: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows ``[len(offsets), dim]``, as ``nn.EmbeddingBag(ids, offsets)``.
+
+        Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]`` (the last runs to the end); an
+        empty bag pools to zeros.  Gather and pooling are one fused op when every row
+        is on the device tier.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            offsets = self._offsets(ids.numel(), offsets)
+            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
+            dim = self.tables[ti].dim
+            if ids.numel() == 0:
+                return torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
+            b = self._batch(ti, ids)
+            p = self._place(b, account=True)
+            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            if p.on_device is None:
+                src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
+                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
+                                       per_sample_weights=None if per_sample_weights is None else scale)
+            rows = self._rows(p, b, dim)
+            if scale is not None:
+                rows = rows * scale.unsqueeze(1)
+            out = torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
+            return out.index_add_(0, bag, rows)
+
+    def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> None:
+        """The backward of :meth:`lookup_pooled` fused with the optimizer step.
+
+        ``grad_output [len(offsets), dim]`` is the gradient of the pooled rows; each id
+        gets its bag's gradient (scaled by its weight, or ``1/len`` for mean), and then
+        :meth:`update` semantics apply.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids_in = ids
+            ids = self._ids(ti, ids)
+            offsets = self._offsets(ids.numel(), offsets)
+            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
+            grad_output = self._values(ti, offsets.numel(), grad_output, "grad_output", check_finite=False)
+            grads = grad_output.index_select(0, bag)
+            if scale is not None:
+                grads.mul_(scale.unsqueeze(1))
+            self._update(ti, ids_in, ids, grads)
+
+    def _memo_for(self, ti: int, ids) -> tuple[Batch, Placement] | None:
+        """The last lookup's batch and placement, if ``ids`` is that lookup's unchanged
+        tensor of the same table and no row has changed tier since."""
         m = self._memo
-        if m is not None and m[0] is ids and m[1] == ids._version and m[4] == self._epoch:
+        if m is not None and m[0] is ids and m[1] == ids._version and m[4] == self._epoch and m[5] == ti:
             return m[2], m[3]
         return None
 
@@ -492,27 +588,30 @@ class HierarchicalStore:
             ids_in = ids
             ids = self._ids(ti, ids)
             grads = self._values(ti, ids.numel(), grads, "grads", check_finite=False)
-            if ids.numel() == 0:
-                return
-            memo = self._memo_for(ids_in) if isinstance(ids_in, torch.Tensor) and ids_in.device == self.device \
-                and ids_in.dtype == torch.int64 else None
-            b, p = memo if memo is not None else (None, None)
-            if b is None:
-                b = self._batch(ti, ids)
-                p = self._place(b, account=False)
-            dim, w = self.tables[ti].dim, self.widths[ti]
-            g = torch.zeros((b.k.numel(), dim), dtype=torch.float32, device=self.device).index_add_(0, b.inverse, grads)
-            # NaN/inf in any gradient survives the per-row sums (inf-inf is NaN), so one
-            # reduction over the summed rows checks them all, before anything changes
-            if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
-                raise NonFiniteGradientError(f"grads of table {self.tables[ti].name} contain NaN or inf "
-                                             "(or their per-row sums overflow); nothing changed")
-            rec = self._gather(p, w)
-            self._steps[ti] += 1
-            self.optimizer.apply(rec, g, dim, self._steps[ti])
-            self._scatter(p, rec)
-            self.counters.add_io(IO.UPDATES, 1)
-            self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+            self._update(ti, ids_in, ids, grads)
+
+    def _update(self, ti: int, ids_in, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """update() after validation (caller holds the lock)."""
+        if ids.numel() == 0:
+            return
+        memo = self._memo_for(ti, ids_in)
+        b, p = memo if memo is not None else (self._batch(ti, ids), None)
+        dim = self.tables[ti].dim
+        g = torch.zeros((b.k.numel(), dim), dtype=torch.float32, device=self.device).index_add_(0, b.inverse, grads)
+        # NaN/inf in any gradient survives the per-row sums (inf-inf is NaN), so one
+        # reduction over the summed rows checks them all, before anything changes
+        if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
+            raise NonFiniteGradientError(f"grads of table {self.tables[ti].name} contain NaN or inf "
+                                         "(or their per-row sums overflow); nothing changed")
+        if p is None:
+            p = self._place(b, account=False)
+        self._steps[ti] += 1
+        for tier, slots, idx in self._parts(p):
+            gi = g if idx is None else g.index_select(0, idx).to(tier.device)
+            self.optimizer.apply_slots(tier.data, slots, gi, dim, self.widths[ti], self._steps[ti])
+            tier.dirty[slots] = True
+        self.counters.add_io(IO.UPDATES, 1)
+        self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
     def write(self, table: str, ids, values: torch.Tensor) -> None:
         """Set the weights of rows (e.g. to import an ``nn.EmbeddingBag``).

@@ -40,10 +40,15 @@ def uniform_rows(seed_key: int, ids: torch.Tensor, dim: int, bound: float) -> to
     """Deterministic ``U[-bound, bound)`` rows ``[len(ids), dim]`` float32, one per id.
 
     Row ``i`` depends only on ``(seed_key, ids[i])``: the same id always gets the same row,
-    on any device, in any batch.
+    on any device, in any batch.  Each 64-bit hash (splitmix64 of the row, then a
+    multiply-xorshift per pair of columns) yields two 24-bit uniforms.
     """
+    n, half = ids.numel(), (dim + 1) // 2
     base = mix64(ids.to(torch.int64) ^ seed_key)
-    j = torch.arange(dim, dtype=torch.int64, device=ids.device) * _GOLDEN
-    h = mix64(base.unsqueeze(1) + j)
-    u = _shr(h, 40).to(torch.float32) * (1.0 / (1 << 24))  # 24 bits: exact in float32
-    return u.mul_(2 * bound).sub_(bound)
+    z = base.unsqueeze(1) + torch.arange(1, half + 1, dtype=torch.int64, device=ids.device) * _GOLDEN
+    z.bitwise_xor_(_shr(z, 32)).mul_(_M2)
+    z.bitwise_xor_(_shr(z, 29))
+    u = torch.empty((n, 2 * half), dtype=torch.float32, device=ids.device)
+    u[:, 0::2] = _shr(z, 40).to(torch.float32)
+    u[:, 1::2] = ((z >> 8) & 0xFFFFFF).to(torch.float32)
+    return u[:, :dim].mul_(2 * bound / (1 << 24)).sub_(bound)

@@ -267,28 +267,24 @@ class HierarchicalStore:
         return Batch(torch.full_like(k, ti), k, inverse, counts, lastpos, n)
 
     # -- residency ----------------------------------------------------------------
-    def _initial(self, t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Initial records ``[n, width]`` (cpu) of never-written rows."""
-        rec = torch.zeros((k.numel(), self.width), dtype=torch.float32)
-        for ti in torch.unique(t).tolist():
-            m = (t == ti).nonzero().squeeze(1)
-            rec[m, :self.widths[ti]] = initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, k[m])
-        return rec
-
     def _read(self, t: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Records of non-resident rows (cpu): from LMDB if written, else initial."""
-        rec = self._initial(t, k)
+        rec = torch.zeros((k.numel(), self.width), dtype=torch.float32)
         found = torch.zeros(k.numel(), dtype=torch.bool)
         nbytes = 0
         for ti in torch.unique(t).tolist():
             m = (t == ti).nonzero().squeeze(1)
             w = self.widths[ti]
             f, r = self._disk.read(ti, k[m].numpy(), w)
-            if f.any():
-                fm = m[torch.from_numpy(f)]
-                rec[fm, :w] = torch.from_numpy(r[f])
+            f = torch.from_numpy(f)
+            if bool(f.any()):
+                fm = m[f]
+                rec[fm, :w] = torch.from_numpy(r)[f]
                 found[fm] = True
                 nbytes += int(f.sum()) * w * 4
+            new = m[~f]
+            if new.numel():
+                rec[new, :w] = initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, k[new])
         self.counters.add_io(IO.BYTES_DISK_TO_HOST, nbytes)
         return rec, found
 
@@ -325,24 +321,29 @@ class HierarchicalStore:
         mclock, mcount = clock[mi].cpu(), b.counts[mi].cpu()
         hs = g[mi].cpu() - host.base
         m_host = hs >= 0
-        ev_d = dev.evictable(dev.slot_mask(hit_slots))
-        n_move = min(M, dev.nfree + int(ev_d.sum()))
+        # whole-tier scans for victims only when free slots do not suffice
+        ev_d = None if M <= dev.nfree else dev.evictable(dev.slot_mask(hit_slots))
+        n_move = M if ev_d is None else min(M, dev.nfree + int(ev_d.sum()))
         m_move = torch.arange(M) < n_move
         A, B = m_move & m_host, m_move & ~m_host  # host->device, disk->device
         C, E = ~m_move & m_host, ~m_move & ~m_host  # stay in host, disk->host
         n_vd = max(0, n_move - dev.nfree)
-        ev_h = host.evictable(host.slot_mask(hs[m_host]))
-        room_h = host.nfree + int(A.sum()) + int(ev_h.sum()) - int(E.sum())
+        nA, nE = int(A.sum()), int(E.sum())
+        if n_vd + nE <= host.nfree + nA:
+            ev_h, room_h = None, host.nfree + nA - nE
+        else:
+            ev_h = host.evictable(host.slot_mask(hs[m_host]))
+            room_h = host.nfree + nA + int(ev_h.sum()) - nE
         if room_h < 0:
             raise CapacityError(f"batch needs {M + hit_slots.numel()} rows resident at once; device ({dev.capacity}) "
                                 f"and host ({host.capacity}) tiers cannot hold them with their pinned rows")
         # device victims go down to host while it has room; the least valuable rest
         # (victims come sorted by eviction key) go straight to disk
-        vd = dev.policy.victims(n_vd, ev_d)
+        vd = dev.policy.victims(n_vd, ev_d) if n_vd else dev.no_slots
         n_skip = max(0, n_vd - room_h)
         vd_disk, vd_host = vd[:n_skip], vd[n_skip:]
-        n_vh = max(0, vd_host.numel() + int(E.sum()) - host.nfree - int(A.sum()))
-        vh = host.policy.victims(n_vh, ev_h)
+        n_vh = max(0, vd_host.numel() + nE - host.nfree - nA)
+        vh = host.policy.victims(n_vh, ev_h) if n_vh else host.no_slots
         # ---- I/O that may fail ----------------------------------------------
         ondisk = ~m_host
         rec_disk, found = self._read(mt[ondisk], mk[ondisk])

@@ -57,6 +57,7 @@ class SlotTier:
         self.policy = policy.build(self.capacity, self.device)
         self._free = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, device=self.device)
         self.nfree = self.capacity
+        self.no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
 
     @property
     def occupancy(self) -> int:

@@ -169,9 +169,9 @@ def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
     params = doc.get("params", {})
     if not isinstance(params, dict):
         raise PolicyFileError(f"{path}: [params] must be a table")
-    spec = PolicySpec(name, dict(params), str(path))
+    spec = PolicySpec(name, dict(params), str(path.resolve()))  # reopenable from any cwd
     try:
         spec.build(1, "cpu")  # validate parameters now, not at first eviction
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise PolicyFileError(f"{path}: bad parameters for {name!r}: {e}") from e
     return spec

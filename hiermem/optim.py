@@ -8,18 +8,27 @@ gradients of duplicate ids first, then calls :meth:`Optimizer.apply` once per un
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidTypeError
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidArgumentError(msg)
+
+
+def _numbers(opt: "Optimizer") -> None:
+    """Every hyper-parameter of a frozen optimizer dataclass is a real number."""
+    for f in fields(opt):  # type: ignore[arg-type]
+        v = getattr(opt, f.name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise InvalidTypeError(f"{type(opt).__name__}: {f.name} must be a real number, got {v!r}")
 
 
 class Optimizer(ABC):
@@ -62,6 +71,7 @@ class SGD(Optimizer):
     name: ClassVar[str] = "sgd"
 
     def __post_init__(self) -> None:
+        _numbers(self)
         _check(math.isfinite(self.lr) and self.lr >= 0, f"SGD: lr must be finite and >= 0, got {self.lr}")
 
     def state_width(self, dim: int) -> int:
@@ -90,6 +100,7 @@ class Adagrad(Optimizer):
     name: ClassVar[str] = "adagrad"
 
     def __post_init__(self) -> None:
+        _numbers(self)
         _check(math.isfinite(self.lr) and self.lr >= 0, "Adagrad: lr must be finite and >= 0")
         _check(self.eps >= 0 and self.initial_accumulator_value >= 0, "Adagrad: eps and accumulator must be >= 0")
 
@@ -117,6 +128,7 @@ class RowWiseAdagrad(Optimizer):
     name: ClassVar[str] = "rowwise_adagrad"
 
     def __post_init__(self) -> None:
+        _numbers(self)
         _check(math.isfinite(self.lr) and self.lr >= 0, "RowWiseAdagrad: lr must be finite and >= 0")
         _check(self.eps >= 0, "RowWiseAdagrad: eps must be >= 0")
 
@@ -145,6 +157,7 @@ class Adam(Optimizer):
     name: ClassVar[str] = "adam"
 
     def __post_init__(self) -> None:
+        _numbers(self)
         _check(math.isfinite(self.lr) and self.lr >= 0, "Adam: lr must be finite and >= 0")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "Adam: betas must be in [0, 1)")
         _check(self.eps >= 0, "Adam: eps must be >= 0")

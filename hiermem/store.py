@@ -120,7 +120,7 @@ class HierarchicalStore:
                 self._disk.close()
                 raise
         except BaseException:
-            self._release_path()
+            self._release_path(unlink=self._made_lock)
             raise
         cuda = torch.cuda.is_available()
         self._keys = SlotIndex(config.device_rows + config.host_rows, self.device)
@@ -148,6 +148,9 @@ class HierarchicalStore:
         bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size"}
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
+        with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
+            if os.path.realpath(path) in _OPEN:
+                raise HierMemError(f"{path}: store is already open in this process")
         disk = DiskTier(path, create=False)
         try:
             meta = disk.read_meta()
@@ -197,7 +200,9 @@ class HierarchicalStore:
             if self.path.exists() and not self.path.is_dir():
                 raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.path / "hiermem.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            lock = self.path / "hiermem.lock"
+            self._made_lock = not lock.exists()
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -206,9 +211,11 @@ class HierarchicalStore:
             self._lockfd = fd
             _OPEN.add(key)
 
-    def _release_path(self) -> None:
+    def _release_path(self, unlink: bool = False) -> None:
         with _OPEN_LOCK:
             _OPEN.discard(os.path.realpath(self.path))
+            if unlink:  # refused a foreign directory: leave it as it was
+                (self.path / "hiermem.lock").unlink(missing_ok=True)
             os.close(self._lockfd)
 
     # -- validation ---------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from .errors import InvalidArgumentError, InvalidTypeError
 if TYPE_CHECKING:  # pragma: no cover
     from .optim import Optimizer
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,127}")
 
 #: Largest id accepted by an unbounded table (ids are non-negative int64).
 MAX_ID = 2**63 - 1
@@ -53,7 +54,7 @@ class TableSpec:
     init_bound: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise InvalidArgumentError(f"table name {self.name!r} must match {_NAME.pattern}")
         if self.num_rows is not None:
             if isinstance(self.num_rows, bool) or not isinstance(self.num_rows, int):
@@ -62,6 +63,9 @@ class TableSpec:
                 raise InvalidArgumentError(f"table {self.name}: num_rows must be > 0, got {self.num_rows}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim <= 0:
             raise InvalidArgumentError(f"table {self.name}: dim must be a positive int, got {self.dim!r}")
+        if self.init_bound is not None and (isinstance(self.init_bound, bool)
+                                            or not isinstance(self.init_bound, numbers.Real)):
+            raise InvalidTypeError(f"table {self.name}: init_bound must be a real number, got {self.init_bound!r}")
         if self.init_bound is not None and not (math.isfinite(self.init_bound) and self.init_bound >= 0):
             raise InvalidArgumentError(f"table {self.name}: init_bound must be finite and >= 0")
 

@@ -381,9 +381,7 @@ CONFIG_CASES = [
     ("name-too-long", lambda p: hm.TableSpec("t" * 129, 10, 4), hm.InvalidArgumentError),
     ("name-int", lambda p: hm.TableSpec(5, 10, 4), hm.InvalidArgumentError),
     ("name-none", lambda p: hm.TableSpec(None, 10, 4), hm.InvalidArgumentError),
-    pytest.param("name-newline", lambda p: hm.TableSpec("abc\n", 10, 4), hm.InvalidArgumentError,
-                 marks=pytest.mark.xfail(strict=True, reason="bug: TableSpec checks names with re.match and a "
-                                         "pattern ending in '$', which also matches before a trailing newline")),
+    pytest.param("name-newline", lambda p: hm.TableSpec("abc\n", 10, 4), hm.InvalidArgumentError),
     ("num_rows=0", lambda p: hm.TableSpec("t", 0, 4), hm.InvalidArgumentError),
     ("num_rows<0", lambda p: hm.TableSpec("t", -1, 4), hm.InvalidArgumentError),
     ("num_rows-float", lambda p: hm.TableSpec("t", 10.0, 4), hm.InvalidTypeError),
@@ -397,9 +395,7 @@ CONFIG_CASES = [
     ("init_bound-nan", lambda p: hm.TableSpec("t", 10, 4, init_bound=math.nan), hm.InvalidArgumentError),
     ("init_bound-inf", lambda p: hm.TableSpec("t", 10, 4, init_bound=math.inf), hm.InvalidArgumentError),
     ("init_bound<0", lambda p: hm.TableSpec("t", 10, 4, init_bound=-0.1), hm.InvalidArgumentError),
-    pytest.param("init_bound-str", lambda p: hm.TableSpec("t", 10, 4, init_bound="0.1"), hm.InvalidTypeError,
-                 marks=pytest.mark.xfail(strict=True, reason="bug: TableSpec passes init_bound to math.isfinite "
-                                         "unchecked and raises a bare TypeError, not a HierMemError")),
+    pytest.param("init_bound-str", lambda p: hm.TableSpec("t", 10, 4, init_bound="0.1"), hm.InvalidTypeError),
     # optimizers
     ("sgd-lr<0", lambda p: hm.SGD(lr=-0.1), hm.InvalidArgumentError),
     ("sgd-lr-nan", lambda p: hm.SGD(lr=math.nan), hm.InvalidArgumentError),
@@ -408,9 +404,7 @@ CONFIG_CASES = [
     ("rowwise-lr-inf", lambda p: hm.RowWiseAdagrad(lr=math.inf), hm.InvalidArgumentError),
     ("adam-beta1=1", lambda p: hm.Adam(beta1=1.0), hm.InvalidArgumentError),
     ("adam-beta2<0", lambda p: hm.Adam(beta2=-0.1), hm.InvalidArgumentError),
-    pytest.param("sgd-lr-str", lambda p: hm.SGD(lr="0.1"), hm.InvalidTypeError,
-                 marks=pytest.mark.xfail(strict=True, reason="bug: optimizers pass lr to math.isfinite unchecked and "
-                                         "raise a bare TypeError, not a HierMemError")),
+    pytest.param("sgd-lr-str", lambda p: hm.SGD(lr="0.1"), hm.InvalidTypeError),
     # the store itself
     ("config-not-storeconfig", lambda p: hm.HierarchicalStore(tables(), {"path": p}), hm.InvalidTypeError),
     ("no-tables", lambda p: hm.HierarchicalStore([], config(p)), hm.InvalidArgumentError),
@@ -448,9 +442,7 @@ POLICY_FILES = [
     ("name-not-str", "name = 3\n"),
     ("syntax", 'name = "lru\n'),
     ("params-not-table", 'name = "lru"\nparams = 3\n'),
-    pytest.param('name = "lru"\n[params]\nwindow = 4\n', id="params-for-lru",
-                 marks=pytest.mark.xfail(strict=True, reason="bug: the PolicyFileError for unexpected [params] is "
-                                         "raised by EvictionPolicy.__init__ and does not name the policy file")),
+    pytest.param('name = "lru"\n[params]\nwindow = 4\n', id="params-for-lru"),
     ("binary", b"\xff\xfe\x00name"),
 ]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -46,6 +47,54 @@ def _is_enospc(e: BaseException) -> bool:
     return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
 
 
+def _disk_full(path: Path, e: BaseException, need: int = 0) -> bool:
+    """ENOSPC, or an I/O error (LMDB reports a short write as EIO) with the disk full."""
+    if _is_enospc(e):
+        return True
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize <= need + (1 << 16)
+
+
+_META_MAGIC = 0xBEEFC0DE
+
+
+def _check_lmdb_file(path: Path, data: Path) -> None:
+    """Refuse a ``data.mdb`` that is not LMDB or is shorter than its meta pages say.
+
+    LMDB maps the file and would fault (SIGBUS) reading pages past a truncated end, so
+    the two meta pages (page header 16 bytes, then magic u32, version u32, address,
+    map size, the free db whose first u32 is the page size, the main db, last page u64,
+    txn id u64) are read here first.
+    """
+    size = data.stat().st_size
+    with open(data, "rb") as f:
+        head = f.read(4096)
+        if len(head) < 152:
+            raise StoreFormatError(path, f"corrupt store: {data} is truncated ({size} bytes)")
+        magic, _version = struct.unpack_from("<II", head, 16)
+        if magic != _META_MAGIC:
+            raise StoreFormatError(path, f"not a hiermem store: {data} is not an LMDB file")
+        psize = struct.unpack_from("<I", head, 40)[0]
+        if psize < 512 or psize > 1 << 16 or psize & (psize - 1) or size < 2 * psize:
+            raise StoreFormatError(path, f"corrupt store: {data} is truncated or has a bad page size")
+        metas = []
+        for page in (0, 1):
+            f.seek(page * psize)
+            m = f.read(152)
+            if struct.unpack_from("<I", m, 16)[0] == _META_MAGIC:
+                last_pg, txnid = struct.unpack_from("<QQ", m, 136)
+                metas.append((txnid, last_pg))
+    if not metas:
+        raise StoreFormatError(path, f"corrupt store: {data} has no valid meta page")
+    _txnid, last_pg = max(metas)
+    if size < (last_pg + 1) * psize:
+        raise StoreFormatError(path, f"corrupt store: {data} is truncated ({size} bytes, its pages "
+                                     f"need {(last_pg + 1) * psize})")
+
+
 class DiskTier:
     """An LMDB environment at ``path`` (a directory).
 
@@ -60,21 +109,36 @@ class DiskTier:
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
         data = self.path / "data.mdb"
-        if not data.exists():
+        fresh = not data.exists()
+        if fresh:
             if not create:
                 raise StoreFormatError(self.path, "not a hiermem store (no data.mdb)")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        elif data.stat().st_size < 8192:  # two meta pages
-            raise StoreFormatError(self.path, f"corrupt store: {data} is truncated ({data.stat().st_size} bytes)")
+        else:
+            _check_lmdb_file(self.path, data)
         try:
             self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4, mode=0o600,
                                  readahead=False, meminit=False, create=create)
-            self.rows_db = self.env.open_db(b"rows")
-            self.meta_db = self.env.open_db(b"meta")
         except lmdb.Error as e:
             if _is_enospc(e):
                 raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full creating the store") from e
             raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
+        try:
+            with self.env.begin() as txn:  # a foreign LMDB has keys of its own: refuse it untouched
+                names = {k for k, _ in txn.cursor()}
+            if names - {b"rows", b"meta"} or (names and names != {b"rows", b"meta"}):
+                raise StoreFormatError(self.path, "an LMDB environment, but not a hiermem store")
+            self._fresh = not names
+            if self._fresh and not create:
+                raise StoreFormatError(self.path, "an empty LMDB environment, not a hiermem store")
+            self.rows_db = self.env.open_db(b"rows", create=self._fresh)
+            self.meta_db = self.env.open_db(b"meta", create=self._fresh)
+        except lmdb.Error as e:
+            self.env.close()
+            raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
+        except BaseException:
+            self.env.close()
+            raise
         for f in (data, self.path / "lock.mdb"):
             if f.exists():
                 os.chmod(f, 0o600)
@@ -91,10 +155,8 @@ class DiskTier:
         except lmdb.Error as e:
             raise StoreFormatError(self.path, f"cannot read store metadata: {e}") from e
         if raw is None:
-            with self.env.begin() as txn:  # a foreign LMDB has other keys in its main db
-                names = [k for k, _ in txn.cursor()]
-            if set(names) - {b"rows", b"meta"}:
-                raise StoreFormatError(self.path, "an LMDB environment, but not a hiermem store")
+            if not self._fresh:
+                raise StoreFormatError(self.path, "a hiermem-shaped LMDB environment without store metadata")
             return None
         try:
             meta = json.loads(raw)
@@ -168,13 +230,13 @@ class DiskTier:
             if meta_raw is not None:
                 txn.put(META_KEY, meta_raw, db=self.meta_db)
 
-        self._write_txn(txn_body)
+        self._write_txn(txn_body, nbytes)
         if sync:
             self.sync()
         self.bytes_written += nbytes
         return nbytes
 
-    def _write_txn(self, body: Callable[[lmdb.Transaction], None]) -> None:
+    def _write_txn(self, body: Callable[[lmdb.Transaction], None], nbytes: int = 0) -> None:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -184,16 +246,16 @@ class DiskTier:
                 self.map_size *= 2
                 self.env.set_mapsize(self.map_size)
             except lmdb.Error as e:
-                if _is_enospc(e):
-                    raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full; the write was not made") from e
+                if _disk_full(self.path, e, nbytes):
+                    raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full; the write was not made ({e})") from e
                 raise HierMemError(f"{self.path}: LMDB write failed: {e}") from e
 
     def sync(self) -> None:
         try:
             self.env.sync(True)
         except lmdb.Error as e:
-            if _is_enospc(e):
-                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full during sync") from e
+            if _disk_full(self.path, e):
+                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full during sync ({e})") from e
             raise HierMemError(f"{self.path}: LMDB sync failed: {e}") from e
 
     def count(self) -> int:

@@ -113,7 +113,7 @@ class HierarchicalStore:
         self.path = Path(config.path).absolute()
         self._claim_path()
         try:
-            self._disk = DiskTier(self.path, create=True, map_size=config.map_size)
+            self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks)
             try:
                 self._steps = self._check_layout(self._disk.read_meta())
             except BaseException:
@@ -140,12 +140,13 @@ class HierarchicalStore:
         """Reopen a store from its directory alone.
 
         ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
-        of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``).
+        of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``,
+        ``sync_writebacks``).
 
         Raises:
             StoreFormatError: ``path`` is not a hiermem store, or is corrupt.
         """
-        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size"}
+        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks"}
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
         with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
@@ -400,7 +401,7 @@ class HierarchicalStore:
             hidx = torch.cat((iC, iE)).to(dd)
             slot[mi[hidx]] = torch.cat((hs[iC], sE)).to(dd)
             on_device[mi[hidx]] = False
-        return Placement(on_device, slot)
+        return Placement(None if bool(on_device.all()) else on_device, slot)
 
     def _account_lookups(self, b: Batch, mi: torch.Tensor) -> None:
         c = self.counters

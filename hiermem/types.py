@@ -105,6 +105,10 @@ class StoreConfig:
         optimizer: the row optimizer applied by ``update`` (default ``SGD(lr=0.01)``).
         seed: seed of the per-row initialiser.
         map_size: initial LMDB map size in bytes; it grows automatically when full.
+        sync_writebacks: fsync every LMDB transaction (eviction write-backs too), not only
+            ``flush()``.  Off by default: a process crash (even SIGKILL) loses nothing
+            committed either way, since the OS holds the pages; on with power-loss or
+            OS-crash exposure between flushes, at one fsync per evicting batch.
     """
 
     path: Union[str, os.PathLike]
@@ -115,6 +119,7 @@ class StoreConfig:
     optimizer: Optional["Optimizer"] = None
     seed: int = 0
     map_size: int = 1 << 28
+    sync_writebacks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("device_rows", "host_rows"):
@@ -127,6 +132,8 @@ class StoreConfig:
             raise InvalidArgumentError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.map_size, int) or self.map_size < 1 << 20:
             raise InvalidArgumentError("map_size must be an int >= 1 MiB")
+        if not isinstance(self.sync_writebacks, bool):
+            raise InvalidTypeError("sync_writebacks must be a bool")
         if not isinstance(self.policy, (str, os.PathLike)):
             raise InvalidTypeError("policy must be a name or a path")
         if self.optimizer is None:

@@ -102,9 +102,11 @@ class DiskTier:
         path: directory of the environment; created (mode 0700) when ``create``.
         create: allow creating a new environment.
         map_size: initial map size in bytes; doubled whenever it fills.
+        sync: fsync on every commit; when False only :meth:`sync` (called by flush)
+            forces data to disk.
     """
 
-    def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28):
+    def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True):
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
@@ -118,7 +120,7 @@ class DiskTier:
             _check_lmdb_file(self.path, data)
         try:
             self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4, mode=0o600,
-                                 readahead=False, meminit=False, create=create)
+                                 readahead=False, meminit=False, create=create, sync=sync)
         except lmdb.Error as e:
             if _is_enospc(e):
                 raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full creating the store") from e

@@ -8,6 +8,7 @@ from .errors import (CapacityError, DiskFullError, HierMemError, InvalidArgument
                      InvalidTypeError, LayoutMismatchError, NonFiniteGradientError, PolicyFileError,
                      StoreClosedError, StoreFormatError, UnknownTableError)
 from .eviction import LFU, LRU, POLICIES, EvictionPolicy, PolicySpec, register_policy, resolve_policy
+from .metrics import STORES, MetricsRegistry, StoreCollector, serve_metrics
 from .optim import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 from .stats import IO, Stat
 from .store import HierarchicalStore
@@ -17,8 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adagrad", "Adam", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
-    "IO", "InvalidArgumentError", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
+    "IO", "InvalidArgumentError", "MetricsRegistry", "STORES", "StoreCollector", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
     "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD",
     "Stat", "StoreClosedError", "StoreConfig", "StoreFormatError", "TableSpec", "Tier", "UnknownTableError",
-    "default_device", "register_policy", "resolve_policy",
+    "default_device", "register_policy", "resolve_policy", "serve_metrics",
 ]

@@ -39,8 +39,9 @@ def _bar(i: int, n: int, width: int = 30) -> str:
     return "[" + "#" * done + "." * (width - done) + f"] {i}/{n}"
 
 
-def run_demo(cfg: DemoConfig, out=sys.stdout) -> dict:
+def run_demo(cfg: DemoConfig, out=None) -> dict:
     """Train random gradients into two tables (one bounded, one unbounded) via the store."""
+    out = sys.stdout if out is None else out  # resolved per call (sys.stdout may be swapped)
     tmp = None
     path = cfg.path
     if path is None:

@@ -13,11 +13,17 @@ unambiguous (``hits / lookups`` of the same tier):
 * ``evictions``: rows that left the tier for the one below (device -> host, host ->
   disk); ``writebacks``: of those, the dirty ones (carried down, or written to LMDB).
 
-Store-wide counters (``IO``) count bytes moved per tier pair and flushes.
+Store-wide counters (``IO``) count bytes moved per tier pair and flushes.  The prefetch
+counters (``PREFETCHED_ROWS``, ``PREFETCH_HITS``, ``LATE_PREFETCHES``) stay 0 until
+prefetch exists; they are here so metric names and dashboards are stable.
+
+:class:`Histogram` holds duration buckets as plain Python numbers (one ``bisect`` and two
+additions per observation); :mod:`hiermem.metrics` reads them at scrape time.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 
 import torch
@@ -45,6 +51,39 @@ class IO(enum.IntEnum):
     FLUSHED_ROWS = 5
     UPDATES = 6
     UPDATED_ROWS = 7
+    PREFETCHED_ROWS = 8  # rows fetched ahead of the batch that needs them (0 until prefetch exists)
+    PREFETCH_HITS = 9  # device lookups served by a prefetched row (0 until prefetch exists)
+    LATE_PREFETCHES = 10  # rows still in flight when their batch needed them (0 until prefetch exists)
+
+
+#: Upper bounds (seconds) of the duration histograms' buckets; a last ``+Inf`` is implied.
+DURATION_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+class Histogram:
+    """Bucket counts of observed durations (seconds), as Prometheus histograms count them:
+    ``counts[i]`` observations ``<= bounds[i]`` and above the bound before (the last:
+    ``+Inf``).  Not locked: the store's lock guards it."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = DURATION_BUCKETS):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def copy(self) -> "Histogram":
+        h = Histogram(self.bounds)
+        h.counts, h.sum = list(self.counts), self.sum
+        return h
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
 
 class Counters:
@@ -54,6 +93,8 @@ class Counters:
         self.num_tables = num_tables
         self.table = torch.zeros((num_tables, len(STAT_TIERS), len(Stat)), dtype=torch.int64)
         self.io = torch.zeros(len(IO), dtype=torch.int64)
+        self.lookup_seconds = Histogram()  # lookup and lookup_pooled calls
+        self.update_seconds = Histogram()  # update and update_pooled calls
 
     def bump(self, tier: Tier, stat: Stat, t: torch.Tensor | int, n: int | None = None) -> None:
         """Add ``n`` to table ``t`` (an int), or one per element of tensor ``t``."""

@@ -20,8 +20,10 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from functools import wraps
 from typing import Sequence
 
 import numpy as np
@@ -53,6 +55,21 @@ def initial_records(spec: TableSpec, table_index: int, seed: int, optimizer: Opt
                      dtype=torch.float32, device=ids.device)
     rec[:, :spec.dim] = uniform_rows(key, ids, spec.dim, spec.bound)
     return rec
+
+
+def _timed(hist: str):
+    """Record a public method's duration (under the store's lock) in ``counters.<hist>``."""
+    def deco(fn):
+        @wraps(fn)
+        def timed(self, *args, **kwargs):
+            with self._lock:
+                t0 = time.perf_counter()
+                try:
+                    return fn(self, *args, **kwargs)
+                finally:
+                    getattr(self.counters, hist).observe(time.perf_counter() - t0)
+        return timed
+    return deco
 
 
 @dataclass
@@ -133,6 +150,8 @@ class HierarchicalStore:
         self._epoch = 0  # bumped whenever any row changes tier
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
         self._closed = False
+        from .metrics import STORES
+        STORES.add(self)  # a weak reference; metrics are read only when scraped
 
     # -- opening and layout -------------------------------------------------------
     @classmethod
@@ -468,6 +487,7 @@ class HierarchicalStore:
             tier.dirty[slots] = True
 
     # -- public API -----------------------------------------------------------------
+    @_timed("lookup_seconds")
     def lookup(self, table: str, ids) -> torch.Tensor:
         """Rows ``[len(ids), dim]`` (float32, on ``config.device``) of ``ids`` of ``table``.
 
@@ -525,6 +545,7 @@ class HierarchicalStore:
             scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
         return bag, scale
 
+    @_timed("lookup_seconds")
     def lookup_pooled(self, table: str, ids, offsets: torch.Tensor, mode: str = "sum",
                       per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled rows ``[len(offsets), dim]``, as ``nn.EmbeddingBag(ids, offsets)``.
@@ -555,6 +576,7 @@ class HierarchicalStore:
             out = torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
             return out.index_add_(0, bag, rows)
 
+    @_timed("update_seconds")
     def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
                       per_sample_weights: torch.Tensor | None = None) -> None:
         """The backward of :meth:`lookup_pooled` fused with the optimizer step.
@@ -584,6 +606,7 @@ class HierarchicalStore:
             return m[2], m[3]
         return None
 
+    @_timed("update_seconds")
     def update(self, table: str, ids, grads: torch.Tensor) -> None:
         """Apply the optimizer to the rows of ``ids`` with gradients ``grads [n, dim]``.
 
@@ -670,6 +693,8 @@ class HierarchicalStore:
                 self._closed = True
                 self._disk.close()
                 self._release_path()
+                from .metrics import STORES
+                STORES.remove(self)
 
     def __enter__(self) -> "HierarchicalStore":
         return self

@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -22,6 +23,7 @@ import lmdb
 import numpy as np
 
 from ..errors import DiskFullError, HierMemError, StoreFormatError
+from ..stats import Histogram
 
 KEY_DTYPE = np.dtype([("t", ">u4"), ("k", ">u8")])
 META_KEY = b"store"
@@ -147,6 +149,8 @@ class DiskTier:
         self.map_size = self.env.info()["map_size"]
         self.bytes_read = 0
         self.bytes_written = 0
+        self.read_seconds = Histogram()  # each batched read (one getmulti)
+        self.write_seconds = Histogram()  # each write transaction, and its sync when asked
 
     # -- metadata ---------------------------------------------------------------
     def read_meta(self) -> dict | None:
@@ -188,11 +192,13 @@ class DiskTier:
         keys = encode_keys(np.full(n, table, dtype=np.uint32), ids)
         order = np.argsort(keys, kind="stable")
         skeys = keys[order]
+        t0 = time.perf_counter()
         try:
             with self.env.begin(db=self.rows_db, buffers=False) as txn:
                 res = txn.cursor().getmulti(key_list(skeys))
         except lmdb.Error as e:
             raise StoreFormatError(self.path, f"LMDB read failed: {e}") from e
+        self.read_seconds.observe(time.perf_counter() - t0)
         if res:
             fk = np.frombuffer(b"".join([kv[0] for kv in res]), dtype="S12")
             raw = b"".join([kv[1] for kv in res])
@@ -232,9 +238,11 @@ class DiskTier:
             if meta_raw is not None:
                 txn.put(META_KEY, meta_raw, db=self.meta_db)
 
+        t0 = time.perf_counter()
         self._write_txn(txn_body, nbytes)
         if sync:
             self.sync()
+        self.write_seconds.observe(time.perf_counter() - t0)
         self.bytes_written += nbytes
         return nbytes
 

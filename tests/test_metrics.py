@@ -189,8 +189,9 @@ def test_cli_serve_and_demo_metrics_port(tmp_path):
 
 
 # -- concurrency ----------------------------------------------------------------------------
-def _train(path, steps, scrape_url=None):
-    """Fixed training steps; with ``scrape_url``, a thread scrapes it without pause."""
+def _train(path, steps, scrape_url=None, min_scrapes=0):
+    """``steps`` training steps (more, up to 20x, until ``min_scrapes`` scrapes have
+    happened); with ``scrape_url``, a thread scrapes the endpoint without pause."""
     tables = [hm.TableSpec("u", 5000, 16), hm.TableSpec("v", None, 8)]
     s = make_store(path, 200, 800, tables, hm.RowWiseAdagrad(lr=0.05))
     stores = hm.MetricsRegistry()
@@ -212,7 +213,7 @@ def _train(path, steps, scrape_url=None):
     g = torch.Generator().manual_seed(1)
     times = []
     try:
-        for _ in range(steps):
+        while len(times) < steps or (scrapes[0] < min_scrapes and len(times) < 20 * steps):
             t0 = time.perf_counter()
             for name, dim, hi in (("u", 16, 5000), ("v", 8, 10**12)):
                 ids = (torch.rand(256, generator=g) ** 3 * hi).long()
@@ -231,9 +232,9 @@ def _train(path, steps, scrape_url=None):
 
 
 def test_scrapes_do_not_change_or_block_training(tmp_path):
-    base, st0, t0, _ = _train(tmp_path / "a", 150)
-    rows, st1, t1, n = _train(tmp_path / "b", 150, scrape_url=True)
-    assert n >= 200, f"only {n} scrapes"
+    rows, st1, t1, n = _train(tmp_path / "b", 150, scrape_url=True, min_scrapes=200)
+    assert n >= 200, f"only {n} scrapes in {len(t1)} steps"
+    base, st0, t0, _ = _train(tmp_path / "a", len(t1))
     assert torch.equal(base, rows)
     st0["_store"].pop("disk_rows"), st1["_store"].pop("disk_rows")
     assert st0 == st1

@@ -7,6 +7,7 @@ LMDB store on disk; lookups and fused optimizer updates work on whole batches.
 from .errors import (CapacityError, DiskFullError, HierMemError, InvalidArgumentError, InvalidIdError,
                      InvalidTypeError, LayoutMismatchError, NonFiniteGradientError, PolicyFileError,
                      StoreClosedError, StoreFormatError, UnknownTableError)
+from .features import SparseFeatures
 from .eviction import LFU, LRU, POLICIES, EvictionPolicy, PolicySpec, register_policy, resolve_policy
 from .metrics import STORES, MetricsRegistry, StoreCollector, serve_metrics
 from .optim import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Adagrad", "Adam", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
     "IO", "InvalidArgumentError", "MetricsRegistry", "STORES", "StoreCollector", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
-    "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD",
+    "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD", "SparseFeatures",
     "Stat", "StoreClosedError", "StoreConfig", "StoreFormatError", "TableSpec", "Tier", "UnknownTableError",
     "default_device", "register_policy", "resolve_policy", "serve_metrics",
 ]

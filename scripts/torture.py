@@ -1,0 +1,482 @@
+"""Crash torture: SIGKILL a training process at random moments, reopen its store, check every row.
+
+One store lives for the whole run.  Each *round* starts a fresh training process on it
+(``--child``), kills it with SIGKILL, then reopens the store here and checks every row of
+the universe (weights *and* optimizer state, bit for bit) against the reference log the
+child kept:
+
+* the child trains a bitwise-exact flat reference (:class:`Reference`) next to the store
+  and checks every plain lookup against it (exit code 3 on the first difference);
+* after each step, before the next call can write anything down, it appends the full
+  records of every row the step changed to ``log.bin`` (one ``os.write`` per step), and
+  after each *completed* ``flush()`` a FLUSH marker;
+* reopening must succeed, and each row's record must be its last-flushed value (the value
+  it held at the last FLUSH marker, or at the start of the round) or a later value it
+  really held.  A row holding an older value than that is **lost**; a row holding a
+  record it never held (say, weights of one step with the optimizer state of another) is
+  **torn**.
+
+Kill modes, cycled over the rounds (``MODES``):
+
+* ``random``: after a random time of training;
+* ``flush``: a moment after the child announces a flush (likely inside it);
+* ``flush-txn`` / ``flush-sync`` / ``after-flush``: the child kills itself inside its
+  k-th flush: with the rows put in the LMDB transaction but not committed; committed but
+  not yet synced; or after ``flush()`` returned but before the marker was logged;
+* ``writeback-txn``: inside its k-th eviction write-back transaction, before commit.
+
+The values on disk after a round become the reference of the next one.  The last line
+printed is ``kills=N lost=L torn=T`` (real counts); the exit status is 1 unless every
+kill was a real SIGKILL, every reopen succeeded and no row was lost or torn.
+
+    python scripts/torture.py --kills 50            # ~3 min on 2 busy cores
+    python scripts/torture.py --kills 6 --seed 1 --dir /tmp/t --keep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from anywhere, test this checkout
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import hiermem as hm  # noqa: E402
+from hiermem.store import initial_records  # noqa: E402
+from hiermem.tiers import DiskTier  # noqa: E402
+
+# -- the store under torture ---------------------------------------------------------------
+TABLES = [hm.TableSpec("bounded", 300, 8), hm.TableSpec("hashed", None, 4)]
+HASHED = sorted({(i * 0x9E3779B97F4A7C15 + 12345) % (2**63) for i in range(119)} | {2**63 - 1})
+SEED = 11
+DEVICE_ROWS, HOST_ROWS = 8, 24  # 32 rows resident at most: constant evictions and write-backs
+FLUSH_EVERY = 12  # steps between flushes, on average
+MODES = ("random", "flush-txn", "flush", "flush-sync", "writeback-txn", "after-flush")
+INJECTED = {"flush-txn", "flush-sync", "writeback-txn", "after-flush"}
+ROW, FLUSH = 0, 1  # log entry kinds
+
+
+def optimizer() -> hm.Optimizer:
+    return hm.Adagrad(lr=0.1)  # has per-element state, so weights and state can tear apart
+
+
+def pools() -> list[torch.Tensor]:
+    """Every id of each table the torture touches (sorted int64)."""
+    return [torch.arange(TABLES[0].num_rows), torch.tensor(HASHED, dtype=torch.int64)]
+
+
+def widths(opt: hm.Optimizer) -> list[int]:
+    return [s.dim + opt.state_width(s.dim) for s in TABLES]
+
+
+def entry_dtype(width: int) -> np.dtype:
+    """One log entry: sequence number, kind, table, position in the table's pool, record."""
+    return np.dtype([("seq", "<i8"), ("kind", "<i4"), ("table", "<i4"), ("pos", "<i8"), ("rec", "<f4", (width,))])
+
+
+def make_store(path: Path) -> hm.HierarchicalStore:
+    cfg = hm.StoreConfig(path=path, device_rows=DEVICE_ROWS, host_rows=HOST_ROWS, optimizer=optimizer(), seed=SEED)
+    return hm.HierarchicalStore(TABLES, cfg)
+
+
+class Reference:
+    """Every row of the universe as one dense record tensor per table, updated with the
+    same ops as the store (so it is bitwise equal to it)."""
+
+    def __init__(self, recs: list[torch.Tensor], steps: list[int]):
+        self.opt = optimizer()
+        self.pools = pools()
+        self.recs = recs
+        self.steps = list(steps)
+
+    @classmethod
+    def initial(cls) -> "Reference":
+        opt = optimizer()
+        recs = [initial_records(s, i, SEED, opt, p) for i, (s, p) in enumerate(zip(TABLES, pools()))]
+        return cls(recs, [0] * len(TABLES))
+
+    def pos(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(self.pools[ti], ids)
+
+    def weights(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.recs[ti][self.pos(ti, ids), :TABLES[ti].dim]
+
+    def update(self, ti: int, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        """As ``store.update``; returns the positions of the changed rows."""
+        k, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        g = torch.zeros((k.numel(), TABLES[ti].dim)).index_add_(0, inv, grads)
+        self.steps[ti] += 1
+        p = self.pos(ti, k)
+        rec = self.recs[ti].index_select(0, p)
+        self.opt.apply(rec, g, TABLES[ti].dim, self.steps[ti])
+        self.recs[ti].index_copy_(0, p, rec)
+        return p
+
+    def write(self, ti: int, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """As ``store.write`` of distinct ids (optimizer state reset)."""
+        p = self.pos(ti, ids)
+        self.recs[ti][p] = self.opt.state_init()
+        self.recs[ti][p, :TABLES[ti].dim] = values
+        return p
+
+    def save(self, path: Path) -> None:
+        np.savez(path, steps=np.array(self.steps, dtype=np.int64),
+                 **{f"rec{i}": r.numpy() for i, r in enumerate(self.recs)})
+
+    @classmethod
+    def load(cls, path: Path) -> "Reference":
+        with np.load(path, allow_pickle=False) as z:
+            return cls([torch.from_numpy(z[f"rec{i}"].copy()) for i in range(len(TABLES))], z["steps"].tolist())
+
+
+# -- the training process ------------------------------------------------------------------
+class Log:
+    """The child's append-only reference log (one ``os.write`` per step)."""
+
+    def __init__(self, path: Path, width: int):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.dtype = entry_dtype(width)
+        self.width = width
+        self.seq = 0
+
+    def rows(self, ti: int, pos: torch.Tensor, recs: torch.Tensor) -> None:
+        e = np.zeros(pos.numel(), dtype=self.dtype)
+        e["seq"], e["kind"], e["table"], e["pos"] = self.seq, ROW, ti, pos.numpy()
+        e["rec"][:, :recs.shape[1]] = recs.numpy()
+        self._write(e)
+
+    def flush(self) -> None:
+        e = np.zeros(1, dtype=self.dtype)
+        e["seq"], e["kind"] = self.seq, FLUSH
+        self._write(e)
+
+    def _write(self, e: np.ndarray) -> None:
+        os.write(self.fd, e.tobytes())
+        self.seq += 1
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict:
+    """Make the child SIGKILL itself at ``mode``'s point of its ``nth`` flush (or eviction
+    write-back).  Returns a dict whose ``"after_flush"`` is called when flush() returns."""
+    disk, hooks, seen = store._disk, {"after_flush": lambda: None}, {"flush": 0, "writeback": 0}
+    real_write, real_txn, real_sync = disk.write, disk._write_txn, disk.sync
+
+    def write(groups, meta=None, sync=False):
+        kind = "flush" if sync else "writeback"
+        seen[kind] += 1
+        armed = seen[kind] == nth and kind == ("writeback" if mode == "writeback-txn" else "flush")
+
+        def txn(body, nbytes=0):
+            def dying_body(t):
+                body(t)
+                _die()  # the rows are in the transaction, which never commits
+            return real_txn(dying_body if armed and mode in ("flush-txn", "writeback-txn") else body, nbytes)
+
+        def sync_():
+            if armed and mode == "flush-sync":
+                _die()  # committed, not yet synced
+            return real_sync()
+        disk._write_txn, disk.sync = txn, sync_
+        try:
+            return real_write(groups, meta=meta, sync=sync)
+        finally:
+            disk._write_txn, disk.sync = real_txn, real_sync
+
+    if mode in INJECTED:
+        disk.write = write
+    if mode == "after-flush":
+        hooks["after_flush"] = lambda: _die() if seen["flush"] == nth else None
+    return hooks
+
+
+def child(args: argparse.Namespace) -> int:
+    """Train on the store until killed: the ``--child`` entry point."""
+    torch.set_num_threads(1)
+    ref = Reference.load(Path(args.baseline))
+    store = hm.HierarchicalStore.open(args.store, policy=args.policy)
+    if store._steps != ref.steps:
+        print(f"MISMATCH steps {store._steps} != {ref.steps}", flush=True)
+        return 3
+    log = Log(Path(args.log), max(widths(ref.opt)))
+    hooks = install_kill_point(store, args.mode, args.nth)
+    g = torch.Generator().manual_seed(args.seed)
+    print("READY", flush=True)
+    for step in range(args.max_steps):
+        op = int(torch.randint(0, 100, (1,), generator=g))
+        if op < 100 // FLUSH_EVERY:
+            print("F", flush=True)
+            store.flush()
+            hooks["after_flush"]()
+            log.flush()
+            print("f", flush=True)
+            continue
+        ti = int(torch.randint(0, len(TABLES), (1,), generator=g))
+        pool, dim = ref.pools[ti], TABLES[ti].dim
+        n = int(torch.randint(1, 17, (1,), generator=g))
+        ids = pool[(torch.rand(n, generator=g) ** 2 * pool.numel()).long()]  # skewed, duplicates
+        if op < 25:  # lookup only: promotions, evictions, write-backs
+            if not torch.equal(store.lookup(TABLES[ti].name, ids), ref.weights(ti, ids)):
+                print(f"MISMATCH lookup step {step}", flush=True)
+                return 3
+            continue
+        if op < 40:  # import rows (distinct ids)
+            ids = torch.unique(ids)
+            vals = torch.randn(ids.numel(), dim, generator=g)
+            store.write(TABLES[ti].name, ids, vals)
+            pos = ref.write(ti, ids, vals)
+        elif op < 55:  # pooled training step
+            offsets = torch.unique(torch.cat((torch.tensor([0]), torch.randint(0, n, (3,), generator=g))))
+            pooled = store.lookup_pooled(TABLES[ti].name, ids, offsets)
+            grad_out = 0.5 * pooled + torch.randn(pooled.shape, generator=g)
+            store.update_pooled(TABLES[ti].name, ids, offsets, grad_out)
+            lengths = torch.diff(offsets, append=torch.tensor([n]))
+            bag = torch.repeat_interleave(torch.arange(offsets.numel()), lengths)
+            pos = ref.update(ti, ids, grad_out.index_select(0, bag))
+        else:  # lookup + update with gradients that depend on the values
+            emb = store.lookup(TABLES[ti].name, ids)
+            if not torch.equal(emb, ref.weights(ti, ids)):
+                print(f"MISMATCH train step {step}", flush=True)
+                return 3
+            grads = 0.5 * emb + torch.randn(emb.shape, generator=g)
+            store.update(TABLES[ti].name, ids, grads)
+            pos = ref.update(ti, ids, grads)
+        log.rows(ti, pos, ref.recs[ti].index_select(0, pos))  # before any later call can write them
+    print("IDLE", flush=True)
+    time.sleep(3600)
+    return 0
+
+
+# -- the harness ---------------------------------------------------------------------------
+@dataclass
+class Check:
+    """One reopen's verdict, counted in rows."""
+
+    rows: int = 0
+    lost: int = 0
+    torn: int = 0
+    later: int = 0  # rows holding a value newer than their last-flushed one
+    problems: list[str] = field(default_factory=list)
+
+
+def read_log(path: Path, width: int) -> np.ndarray:
+    """The log's complete entries (a kill may cut the last ``os.write``)."""
+    raw = path.read_bytes() if path.exists() else b""
+    dt = entry_dtype(width)
+    return np.frombuffer(raw[:len(raw) - len(raw) % dt.itemsize], dtype=dt)
+
+
+def on_disk(path: Path, opt: hm.Optimizer) -> tuple[list[np.ndarray], list[int]]:
+    """Every universe row's record as the (closed) store holds it, read straight from
+    LMDB (rows never written: the initialiser's), and the per-table step counts."""
+    disk = DiskTier(path, create=False)
+    try:
+        meta = disk.read_meta()
+        recs = []
+        for ti, (spec, pool) in enumerate(zip(TABLES, pools())):
+            found, rec = disk.read(ti, pool.numpy(), widths(opt)[ti])
+            init = initial_records(spec, ti, SEED, opt, pool).numpy()
+            recs.append(np.where(found[:, None], rec, init))
+    finally:
+        disk.close()
+    return recs, [int(meta["steps"][s.name]) for s in TABLES]
+
+
+def verify(path: Path, log: np.ndarray, base: Reference) -> tuple[Check, Reference]:
+    """Reopen the store, check every row against the log; returns the verdict and the
+    store's state as the next round's reference."""
+    c = Check()
+    opt = base.opt
+    store = hm.HierarchicalStore.open(path)  # must not raise
+    try:
+        served = []
+        for ti, pool in enumerate(pools()):
+            chunk = DEVICE_ROWS + HOST_ROWS
+            served.append(torch.cat([store.lookup(TABLES[ti].name, pool[i:i + chunk])
+                                     for i in range(0, pool.numel(), chunk)]).numpy())
+    finally:
+        store.close()
+    recs, steps = on_disk(path, opt)
+    flushes = log["seq"][log["kind"] == FLUSH]
+    last_flush = int(flushes.max()) if flushes.size else -1
+    rows = log[log["kind"] == ROW]
+    for ti, spec in enumerate(TABLES):
+        w, have = widths(opt)[ti], recs[ti]
+        if not np.array_equal(served[ti].view(np.uint32), have[:, :spec.dim].view(np.uint32)):
+            c.problems.append(f"{spec.name}: lookups after reopen differ from the records in LMDB")
+        e = rows[rows["table"] == ti]
+        n = have.shape[0]
+        # the seq of each row's last-flushed value (-1: its value at the start of the round)
+        flushed_at = np.full(n, -1, dtype=np.int64)
+        before = e[e["seq"] < last_flush]
+        np.maximum.at(flushed_at, before["pos"], before["seq"])
+        # the newest seq whose logged value the row holds now (-1: the start value, -2: none)
+        match = np.full(n, -2, dtype=np.int64)
+        start = base.recs[ti].numpy()
+        match[np.all(have.view(np.uint32) == start.view(np.uint32), axis=1)] = -1
+        same = np.all(e["rec"][:, :w].view(np.uint32) == have[e["pos"]].view(np.uint32), axis=1)
+        np.maximum.at(match, e["pos"][same], e["seq"][same])
+        torn, lost = match == -2, (match >= -1) & (match < flushed_at)
+        c.rows += n
+        c.torn += int(torn.sum())
+        c.lost += int(lost.sum())
+        c.later += int((match > flushed_at).sum())
+        for kind, m in (("torn", torn), ("lost", lost)):
+            for p in np.nonzero(m)[0][:3].tolist():
+                c.problems.append(f"{kind}: {spec.name} id {int(pools()[ti][p])}")
+    return c, Reference([torch.from_numpy(r.copy()) for r in recs], steps)
+
+
+@dataclass
+class Round:
+    mode: str
+    rc: int
+    in_flush: bool  # the child announced a flush it never finished
+    check: Check
+    open_error: str | None = None
+
+
+def _lines(proc: subprocess.Popen, timeout: float) -> list[str]:
+    """Lines the child printed within ``timeout`` (stops early at EOF)."""
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append(line.strip())
+    return out
+
+
+def _wait_for(proc: subprocess.Popen, word: str, count: int, timeout: float) -> list[str]:
+    seen, out, deadline = 0, [], time.monotonic() + timeout
+    while seen < count:
+        left = deadline - time.monotonic()
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, left))
+        if not r:
+            raise TimeoutError(f"child did not print {word!r} x{count} in {timeout}s")
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"child exited (rc={proc.wait()}): {out[-5:]} {proc.stderr.read()[-3000:]}")
+        out.append(line.strip())
+        seen += line.strip() == word
+    return out
+
+
+def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference, policy: str) -> tuple[Round, Reference]:
+    base_path, log_path = work / "baseline.npz", work / f"log{i}.bin"
+    base.save(base_path)
+    nth = rng.randint(1, 4)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--store", str(work / "store"),
+           "--log", str(log_path), "--baseline", str(base_path), "--seed", str(rng.randrange(2**31)),
+           "--mode", mode, "--nth", str(nth), "--policy", policy]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    try:
+        out = _wait_for(proc, "READY", 1, 120)
+        if mode == "random":
+            out += _lines(proc, rng.uniform(0.05, 0.8))
+        elif mode == "flush":
+            out += _wait_for(proc, "F", nth, 120)
+            time.sleep(rng.uniform(0, 0.002))
+        if mode not in INJECTED:
+            os.kill(proc.pid, signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+        out += [line.strip() for line in proc.stdout.read().splitlines()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    if any(o.startswith("MISMATCH") for o in out) or rc != -signal.SIGKILL:
+        raise RuntimeError(f"round {i} ({mode}): child rc={rc}, {[o for o in out if o not in 'Ff']}\n{err[-3000:]}")
+    marks = [o for o in out if o in ("F", "f")]
+    in_flush = bool(marks) and marks[-1] == "F"
+    log = read_log(log_path, max(widths(base.opt)))
+    try:
+        check, nxt = verify(work / "store", log, base)
+    except hm.HierMemError as e:
+        return Round(mode, rc, in_flush, Check(), open_error=f"{type(e).__name__}: {e}"), base
+    return Round(mode, rc, in_flush, check), nxt
+
+
+def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODES,
+            verbose: bool = True) -> list[Round]:
+    """Run ``kills`` rounds on a fresh store under ``work``; returns each round's result."""
+    rng = random.Random(seed)
+    make_store(work / "store").close()
+    base = Reference.initial()
+    rounds = []
+    for i in range(kills):
+        mode = modes[i % len(modes)]
+        r, base = one_round(work, i, mode, rng, base, policy=("lru", "lfu")[(i // len(modes)) % 2])
+        rounds.append(r)
+        if verbose:
+            c = r.check
+            print(f"kill {i + 1:3d} {mode:13s} in_flush={int(r.in_flush)} rows={c.rows} later={c.later} "
+                  f"lost={c.lost} torn={c.torn}" + (f" OPEN ERROR {r.open_error}" if r.open_error else "")
+                  + "".join(f"\n    {p}" for p in c.problems), flush=True)
+    return rounds
+
+
+def summary(rounds: list[Round]) -> dict:
+    return {"kills": sum(r.rc == -signal.SIGKILL for r in rounds),
+            "lost": sum(r.check.lost for r in rounds), "torn": sum(r.check.torn for r in rounds),
+            "open_errors": sum(r.open_error is not None for r in rounds),
+            "problems": sum(len(r.check.problems) for r in rounds),
+            "in_flush": sum(r.in_flush for r in rounds), "rows_checked": sum(r.check.rows for r in rounds),
+            "rows_later": sum(r.check.later for r in rounds),
+            "modes": {m: sum(r.mode == m for r in rounds) for m in dict.fromkeys(r.mode for r in rounds)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kills", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    for a in ("--store", "--log", "--baseline", "--mode", "--policy"):
+        p.add_argument(a, help=argparse.SUPPRESS)
+    p.add_argument("--nth", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--max-steps", type=int, default=20_000, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child(a)
+    work = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="hm-torture-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        rounds = torture(a.kills, work, a.seed)
+    finally:
+        if not a.keep and a.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    s = summary(rounds)
+    print(json.dumps(s))
+    print(f"kills={s['kills']} lost={s['lost']} torn={s['torn']}")
+    ok = s["kills"] == a.kills and s["lost"] == s["torn"] == s["open_errors"] == s["problems"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -228,6 +228,10 @@ class HierarchicalStore:
             except OSError:
                 os.close(fd)
                 raise HierMemError(f"{self.path}: store is open in another process") from None
+            try:  # private even if loosened since, as DiskTier makes LMDB's files
+                os.fchmod(fd, 0o600)
+            except PermissionError:  # another owner's file: leave it
+                pass
             self._lockfd = fd
             _OPEN.add(key)
 

@@ -222,7 +222,12 @@ class HierarchicalStore:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             lock = self.path / "hiermem.lock"
             self._made_lock = not lock.exists()
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            except IsADirectoryError:
+                raise StoreFormatError(self.path, f"not a hiermem store: {lock} is a directory") from None
+            except OSError as e:
+                raise HierMemError(f"{self.path}: cannot open the store's lock file: {e}") from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

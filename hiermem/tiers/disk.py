@@ -118,6 +118,8 @@ class DiskTier:
             if not create:
                 raise StoreFormatError(self.path, "not a hiermem store (no data.mdb)")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif not data.is_file():
+            raise StoreFormatError(self.path, f"not a hiermem store: {data} is not a regular file")
         else:
             _check_lmdb_file(self.path, data)
         try:
@@ -182,7 +184,7 @@ class DiskTier:
     def read(self, table: int, ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """Records of ``ids`` of one table: ``(found bool[n], records float32[n, width])``.
 
-        Rows not found are left zero in ``records``.
+        Rows not found are left zero in ``records``; duplicate ids get the same record.
         """
         n = len(ids)
         found = np.zeros(n, dtype=bool)
@@ -192,6 +194,10 @@ class DiskTier:
         keys = encode_keys(np.full(n, table, dtype=np.uint32), ids)
         order = np.argsort(keys, kind="stable")
         skeys = keys[order]
+        if n > 1 and bool((skeys[1:] == skeys[:-1]).any()):  # each distinct key once, then expand
+            uniq, inverse = np.unique(keys, return_inverse=True)
+            f, r = self.read(table, uniq.view(KEY_DTYPE)["k"], width)
+            return f[inverse], r[inverse]
         t0 = time.perf_counter()
         try:
             with self.env.begin(db=self.rows_db, buffers=False) as txn:

@@ -1,0 +1,366 @@
+"""Bad input, fuzzed: hypothesis drives every public method of a store with arbitrary ids
+(huge, negative, every dtype, numpy and Python containers, 0-d/2-d, empty), gradient and
+value tensors of any shape and dtype with NaN/inf, offsets that do not add up,
+per-sample weights of the wrong length and unknown modes or tables.
+
+The oracle is written from the documented contract, independently of the store's own
+checks: a call whose arguments are valid must succeed and return what a flat in-memory
+reference returns; any other call must raise a :class:`hm.HierMemError` and change no
+row.  After every refused call, and at the end, every row of the (small) universe is
+compared with the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+
+import hiermem as hm
+from reference import FlatStore
+
+DEV, HOST = 4, 16
+TABLES = [hm.TableSpec("b", 30, 3), hm.TableSpec("h", None, 2)]
+SPECS = {s.name: s for s in TABLES}
+HASHED = [0, 5, 77, 2**31, 2**40 + 1, 2**62, 2**63 - 1, 123456789]
+UNIVERSE = {"b": list(range(30)), "h": HASHED}
+EDGE_IDS = [-1, -7, -2**31, -2**63, 30, 31, 255, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
+INT_TORCH = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+OTHER_DTYPES = [torch.int64, torch.int32, torch.bool, torch.complex64]
+ATOL = 1e-5
+
+
+# -- strategies -----------------------------------------------------------------------------
+def _cast(vals: list[int], kind: str):
+    """``vals`` as a container of ``kind`` (values wrapped or rounded to fit it)."""
+    if kind == "list":
+        return vals
+    if kind.startswith("np-"):
+        dt = np.dtype(kind[3:])
+        if dt.kind in "iu":
+            info = np.iinfo(dt)
+            return np.array([min(max(v, info.min), info.max) for v in vals], dtype=dt)
+        return np.array(vals, dtype=np.float64).astype(dt)
+    dt = getattr(torch, kind)
+    if dt in INT_TORCH:
+        info = torch.iinfo(dt)
+        return torch.tensor([min(max(v, info.min), info.max) for v in vals], dtype=dt)
+    if dt == torch.bool:
+        return torch.tensor([v % 2 == 1 for v in vals], dtype=dt)
+    return torch.tensor([float(v) for v in vals], dtype=dt)
+
+
+ID_KINDS = (["int64"] * 6 + ["int32", "int16", "int8", "uint8", "float32", "float64", "bool", "complex64",
+                              "np-int64", "np-int64", "np-uint64", "np-int32", "np-uint8", "np-float64", "np-bool",
+                              "list"])
+
+
+@st.composite
+def id_args(draw, table: str, clean: bool = False):
+    """(ids argument, expected int64 ids or None when the argument is invalid); ``clean``:
+    always a valid one."""
+    pool = st.sampled_from(UNIVERSE[table])
+    if clean:
+        ids = torch.tensor(draw(st.lists(pool, max_size=16)), dtype=torch.int64)
+        return ids, ids
+    vals = draw(st.lists(pool if draw(st.integers(0, 4)) else pool | st.sampled_from(EDGE_IDS), max_size=22))
+    kind = draw(st.sampled_from(ID_KINDS))
+    ids = _cast(vals, kind)
+    shape = draw(st.sampled_from(["1d"] * 8 + ["0d", "2d"]))
+    if shape != "1d" and isinstance(ids, (torch.Tensor, np.ndarray)):
+        ids = ids.reshape(-1, 1) if shape == "2d" else (ids[:1].reshape(()) if len(vals) else ids.reshape(0, 1))
+    return ids, expected_ids(ids, SPECS[table])
+
+
+def expected_ids(ids, spec: hm.TableSpec) -> torch.Tensor | None:
+    """The contract: a 1-D integer torch tensor or numpy array, every id in the table."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu" or ids.ndim != 1:
+            return None
+        vals = [int(v) for v in ids.tolist()]
+    elif isinstance(ids, torch.Tensor):
+        if ids.dtype not in INT_TORCH or ids.dim() != 1:
+            return None
+        vals = ids.tolist()
+    else:
+        return None
+    if any(v < 0 or v > spec.max_id for v in vals):
+        return None
+    return torch.tensor(vals, dtype=torch.int64)
+
+
+SPECIALS = [math.nan, math.inf, -math.inf, 1e30, 3e38, 1e300]
+
+
+@st.composite
+def float_tensor(draw, shape: tuple[int, ...], right_shape: tuple[int, ...], clean: bool = False):
+    """A tensor meant to have ``right_shape``: usually right, sometimes off by one, another
+    rank or another dtype; values occasionally NaN/inf/huge (``clean``: right shape and dtype)."""
+    r = draw(st.integers(2 if clean else 0, 9))
+    if r == 0:
+        shape = tuple(max(0, d + draw(st.sampled_from([-1, 1]))) for d in right_shape)
+    elif r == 1:
+        shape = (int(np.prod(right_shape)),) if len(right_shape) != 1 else right_shape + (1,)
+    else:
+        shape = right_shape
+    dtype = draw(st.sampled_from(FLOAT_DTYPES * 3 + OTHER_DTYPES)) if draw(st.integers(0, 3)) == 0 \
+        and not clean else torch.float32
+    seed = draw(st.integers(0, 2**16))
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if t.numel() and draw(st.integers(0, 5)) == 0:
+        t.view(-1)[draw(st.integers(0, t.numel() - 1))] = draw(st.sampled_from(SPECIALS))
+    if dtype == torch.bool:
+        return t > 0
+    return t.to(dtype)
+
+
+def valid_float(t, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A floating tensor of ``shape``, as float32 (None if it is not that)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+        return None
+    return t.detach().to(torch.float32)
+
+
+@st.composite
+def offsets_arg(draw, n: int, clean: bool = False):
+    """(offsets argument, valid?)."""
+    r = draw(st.integers(0, 5 if clean else 9))
+    if r <= 5:  # valid: sorted cut points starting at 0
+        cuts = sorted(draw(st.lists(st.integers(0, n), max_size=5)))
+        vals = [0] + cuts
+    elif r == 6:
+        vals = []
+    elif r == 7:
+        vals = [draw(st.integers(1, n + 2))] + sorted(draw(st.lists(st.integers(0, n + 2), max_size=3)))
+    elif r == 8:
+        vals = [0] + draw(st.lists(st.integers(0, n + 3), min_size=1, max_size=4))
+    else:
+        vals = [0, n + draw(st.integers(1, 3))]
+    dtype = draw(st.sampled_from([torch.int64, torch.int32] if clean else
+                                 [torch.int64] * 6 + [torch.int32, torch.float32, torch.int16]))
+    offsets = torch.tensor(vals, dtype=dtype)
+    if draw(st.integers(0, 15)) == 0 and not clean:
+        offsets = offsets.reshape(-1, 1)
+    ok = (dtype in (torch.int64, torch.int32) and offsets.dim() == 1 and len(vals) > 0 and vals[0] == 0
+          and vals[-1] <= n and all(a <= b for a, b in zip(vals, vals[1:])))
+    return offsets, ok
+
+
+def bag_scale(n: int, offsets: torch.Tensor, mode: str, psw: torch.Tensor | None):
+    lengths = torch.diff(offsets.long(), append=torch.tensor([n]))
+    bag = torch.repeat_interleave(torch.arange(offsets.numel()), lengths)
+    if psw is not None:
+        return bag, psw.to(torch.float32)
+    if mode == "mean":
+        return bag, (1.0 / lengths.clamp(min=1).float())[bag]
+    return bag, None
+
+
+# -- the machine ------------------------------------------------------------------------------
+tables = st.sampled_from(["b", "h"])
+
+
+class FuzzMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["lru", "lfu"]), opt=st.sampled_from(["sgd", "adagrad"]))
+    def setup(self, policy, opt):
+        self.dir = tempfile.mkdtemp(prefix="hm-fuzz-")
+        optimizer = hm.SGD(lr=0.5) if opt == "sgd" else hm.Adagrad(lr=0.3)
+        self.cfg = hm.StoreConfig(path=f"{self.dir}/s", device_rows=DEV, host_rows=HOST, policy=policy,
+                                  optimizer=optimizer, seed=9)
+        self.store = hm.HierarchicalStore(TABLES, self.cfg)
+        self.ref = FlatStore(TABLES, optimizer, seed=9)
+        self.refused = 0
+
+    def teardown(self):
+        if hasattr(self, "store"):
+            try:
+                self.same_as_reference()
+            finally:
+                self.store.close()
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+    def same_as_reference(self):
+        for name, ids in UNIVERSE.items():
+            t = torch.tensor(ids, dtype=torch.int64)
+            got = torch.cat([self.store.lookup(name, t[i:i + DEV + HOST]) for i in range(0, t.numel(), DEV + HOST)])
+            assert torch.allclose(got, self.ref.lookup(name, t), atol=ATOL, rtol=1e-5), f"table {name} differs"
+
+    def call(self, valid: bool | None, fn):
+        """Run ``fn`` against the contract: ``valid`` True must succeed, False must raise a
+        typed error and change nothing, None (valid arguments whose result may be NaN) may
+        do either.  Returns ``(accepted, fn's result)``."""
+        try:
+            out = fn()
+        except hm.HierMemError as e:
+            assert valid is not True, f"valid call refused: {type(e).__name__}: {e}"
+            assert str(e)
+            self.refused += 1
+            self.same_as_reference()
+            return False, None
+        assert valid is not False, "invalid call accepted"
+        return True, out
+
+    @staticmethod
+    def fits(ids: torch.Tensor) -> bool:
+        return torch.unique(ids).numel() <= DEV + HOST
+
+    @rule(data=st.data(), table=tables)
+    def lookup(self, data, table):
+        ids, want = data.draw(id_args(table))
+        ok = want is not None and self.fits(want)
+        accepted, out = self.call(ok, lambda: self.store.lookup(table, ids))
+        if accepted:
+            assert out.dtype == torch.float32 and out.shape == (want.numel(), SPECS[table].dim)
+            assert torch.allclose(out, self.ref.lookup(table, want), atol=ATOL, rtol=1e-5)
+
+    def _grad_sums_finite(self, ids: torch.Tensor, g: torch.Tensor) -> bool:
+        if ids.numel() == 0:
+            return True
+        _, inv = torch.unique(ids, return_inverse=True)
+        return bool(torch.isfinite(torch.zeros(int(inv.max()) + 1, g.shape[1]).index_add_(0, inv, g)).all())
+
+    @rule(data=st.data(), table=tables, via_lookup=st.booleans())
+    def update(self, data, table, via_lookup):
+        ids, want = data.draw(id_args(table, data.draw(st.booleans())))
+        dim = SPECS[table].dim
+        n = want.numel() if want is not None else 2
+        grads = data.draw(float_tensor((n, dim), (n, dim), want is not None and data.draw(st.booleans())))
+        g = valid_float(grads, (n, dim)) if want is not None else None
+        ok = g is not None and self._grad_sums_finite(want, g) and (want.numel() == 0 or self.fits(want))
+        if via_lookup and want is not None and self.fits(want):
+            self.store.lookup(table, ids)  # the training pattern: update reuses the lookup's placement
+        if self.call(ok, lambda: self.store.update(table, ids, grads))[0]:
+            self.ref.update(table, want, g)
+
+    @rule(data=st.data(), table=tables)
+    def write(self, data, table):
+        ids, want = data.draw(id_args(table))
+        dim = SPECS[table].dim
+        n = want.numel() if want is not None else 1
+        values = data.draw(float_tensor((n, dim), (n, dim)))
+        v = valid_float(values, (n, dim)) if want is not None else None
+        ok = v is not None and bool(torch.isfinite(v).all()) and (n == 0 or self.fits(want))
+        self.call(ok, lambda: self.store.write(table, ids, values))
+        if ok and n:
+            self.ref.write(table, want, v)
+
+    def _pooled_args(self, data, table):
+        clean = data.draw(st.booleans())  # half the calls: valid ids, mode and weights
+        ids, want = data.draw(id_args(table, clean))
+        n = want.numel() if want is not None else 3
+        offsets, off_ok = data.draw(offsets_arg(n, clean))
+        mode = data.draw(st.sampled_from(["sum", "mean"] if clean else ["sum"] * 4 + ["mean"] * 2 + ["max", "SUM", None]))
+        psw, psw_ok = None, True
+        if data.draw(st.integers(0, 2)) == 0 and not (clean and mode == "mean"):
+            psw = data.draw(float_tensor((n,), (n,)))
+            psw_ok = valid_float(psw, (n,)) is not None and mode == "sum"
+        ok = want is not None and off_ok and mode in ("sum", "mean") and psw_ok and (n == 0 or self.fits(want))
+        return ids, want, offsets, mode, psw, ok, clean
+
+    @rule(data=st.data(), table=tables)
+    def lookup_pooled(self, data, table):
+        ids, want, offsets, mode, psw, ok, _ = self._pooled_args(data, table)
+        nan_psw = ok and psw is not None and not bool(torch.isfinite(psw.float()).all())
+        accepted, out = self.call(None if nan_psw else ok, lambda: self.store.lookup_pooled(
+            table, ids, offsets, mode=mode, per_sample_weights=psw))
+        if not accepted:
+            return
+        dim, n = SPECS[table].dim, want.numel()
+        bag, scale = bag_scale(n, offsets, mode, psw)
+        rows = self.ref.lookup(table, want)
+        if scale is not None:
+            rows = rows * scale.unsqueeze(1)
+        ref = torch.zeros(offsets.numel(), dim).index_add_(0, bag, rows)
+        assert out.shape == (offsets.numel(), dim)
+        assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+    @rule(data=st.data(), table=tables)
+    def update_pooled(self, data, table):
+        ids, want, offsets, mode, psw, ok, clean = self._pooled_args(data, table)
+        dim = SPECS[table].dim
+        nb = offsets.numel() if offsets.dim() == 1 else 1
+        grad_out = data.draw(float_tensor((nb, dim), (nb, dim), clean))
+        go = valid_float(grad_out, (nb, dim))
+        g = None
+        if ok and go is not None:
+            bag, scale = bag_scale(want.numel(), offsets, mode, psw)
+            g = go.index_select(0, bag)
+            if scale is not None:
+                g = g * scale.unsqueeze(1)
+        ok = g is not None and self._grad_sums_finite(want, g)
+        self.call(ok, lambda: self.store.update_pooled(table, ids, offsets, grad_out, mode=mode,
+                                                       per_sample_weights=psw))
+        if ok:
+            self.ref.update(table, want, g)
+
+    @rule(data=st.data(), table=st.sampled_from(["b", "h", "B", "nope", "", None, 0]))
+    def where(self, data, table):
+        spec_table = table if table in SPECS else "b"
+        ids, want = data.draw(id_args(spec_table))
+        ok = want is not None and table in SPECS
+        accepted, out = self.call(ok, lambda: self.store.where(table, ids))
+        if accepted:
+            assert out.shape == (want.numel(),) and bool(((out >= 0) & (out <= int(hm.Tier.INIT))).all())
+            written = torch.tensor([int(i) in self.ref.rows[table] for i in want.tolist()], dtype=torch.bool)
+            assert not bool((out[written] == int(hm.Tier.INIT)).any()), "a written row is reported as INIT"
+
+    @rule(table=st.sampled_from(["B", "nope", "", None, 3, ("b",)]), data=st.data())
+    def unknown_table(self, table, data):
+        ids, _ = data.draw(id_args("b"))
+        self.call(False, lambda: self.store.lookup(table, ids))
+
+    @rule()
+    def flush(self):
+        self.store.flush()
+
+    @rule()
+    def reopen(self):
+        self.store.close()
+        self.store = hm.HierarchicalStore.open(self.cfg.path)
+
+
+FuzzMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=list(HealthCheck))
+TestFuzzPublicAPI = FuzzMachine.TestCase
+
+
+def test_oracle_classifies_ids_like_the_contract():
+    """The fuzz oracle's own rules, checked on hand-picked arguments (so the fuzzer cannot
+    pass by agreeing with a wrong oracle)."""
+    b, h = SPECS["b"], SPECS["h"]
+    assert expected_ids(torch.tensor([0, 29]), b).tolist() == [0, 29]
+    assert expected_ids(torch.tensor([30]), b) is None
+    assert expected_ids(torch.tensor([-1]), h) is None
+    assert expected_ids(np.array([2**63], dtype=np.uint64), h) is None
+    assert expected_ids(np.array([2**63 - 1], dtype=np.uint64), h).tolist() == [2**63 - 1]
+    assert expected_ids(torch.tensor([1.0]), b) is None
+    assert expected_ids(torch.tensor([True]), b) is None
+    assert expected_ids([1, 2], b) is None
+    assert expected_ids(torch.tensor([[1]]), b) is None
+    assert expected_ids(torch.empty(0, dtype=torch.int32), b).numel() == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_are_refused_by_every_writer(tmp_path, bad):
+    s = hm.HierarchicalStore(TABLES, hm.StoreConfig(path=tmp_path / "s", device_rows=DEV, host_rows=HOST))
+    try:
+        before = s.lookup("b", torch.arange(5)).clone()
+        v = torch.ones(5, 3)
+        v[2, 1] = bad
+        for call in (lambda: s.update("b", torch.arange(5), v), lambda: s.write("b", torch.arange(5), v),
+                     lambda: s.update_pooled("b", torch.arange(5), torch.tensor([0, 2]), v[:2] * 0 + bad),
+                     lambda: s.update_pooled("b", torch.arange(5), torch.tensor([0]), torch.ones(1, 3),
+                                             per_sample_weights=torch.tensor([1.0, bad, 1.0, 1.0, 1.0]))):
+            with pytest.raises(hm.NonFiniteGradientError):
+                call()
+        assert torch.equal(s.lookup("b", torch.arange(5)), before)
+    finally:
+        s.close()

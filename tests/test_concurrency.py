@@ -1,0 +1,144 @@
+"""Concurrency stress: a training loop, a metrics scraper (HTTP, hm.serve_metrics), a thread
+calling flush() and a thread doing lookups/where/stats share one store for a bounded time.
+
+No deadlock (every thread must finish before a watchdog deadline; on timeout all stacks
+are dumped), no exception in any thread, and no corruption: the trainer checks every
+lookup against a flat reference as it goes, and the final and reopened stores equal it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import threading
+import time
+import urllib.request
+
+import torch
+from prometheus_client import CollectorRegistry
+
+import hiermem as hm
+from reference import FlatStore
+
+TABLES = [hm.TableSpec("u", 400, 8), hm.TableSpec("v", None, 4)]
+V_POOL = torch.tensor([(i * 0x9E3779B97F4A7C15) % 2**63 for i in range(150)], dtype=torch.int64)
+WATCHDOG_S = 120.0
+STEPS = 300
+
+
+def _ids(g, table):
+    if table == "u":
+        return (torch.rand(24, generator=g) ** 2 * 400).long()
+    return V_POOL[(torch.rand(12, generator=g) ** 2 * 150).long()]
+
+
+class Worker(threading.Thread):
+    """A daemon thread running ``fn(stop)`` in a loop until ``stop`` is set, counting
+    iterations and keeping the first exception."""
+
+    def __init__(self, name, fn, stop):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.stop, self.count, self.error = fn, stop, 0, None
+
+    def run(self):
+        try:
+            while not self.stop.is_set():
+                self.fn()
+                self.count += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def test_training_scrapes_flushes_and_lookups_share_a_store(tmp_path):
+    opt = hm.Adagrad(lr=0.1)
+    store = hm.HierarchicalStore(TABLES, hm.StoreConfig(path=tmp_path / "s", device_rows=16, host_rows=48,
+                                                        optimizer=opt, seed=4))
+    ref = FlatStore(TABLES, opt, seed=4)
+    stores = hm.MetricsRegistry()
+    stores.add(store, "stress")
+    server, _ = hm.serve_metrics(0, registry=CollectorRegistry(), stores=stores)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    stop = threading.Event()
+    rg = torch.Generator().manual_seed(99)
+    rlock = threading.Lock()  # the reader's generator only
+
+    def scrape():
+        with urllib.request.urlopen(url, timeout=30) as r:
+            assert b'hiermem_lookups_total{store="stress"' in r.read()
+
+    def flush():
+        store.flush()
+        time.sleep(0.001)
+
+    def read():
+        with rlock:
+            table = "u" if torch.rand(1, generator=rg) < 0.5 else "v"
+            ids = _ids(rg, table)
+        out = store.lookup(table, ids)  # moves rows between tiers, never changes a value
+        assert out.shape == (ids.numel(), TABLES[0].dim if table == "u" else 4)
+        assert bool(torch.isfinite(out).all())
+        assert store.where(table, ids).numel() == ids.numel()
+        assert store.stats()["_store"]["device_occupancy"] <= 16
+
+    workers = [Worker("scrape", scrape, stop), Worker("flush", flush, stop), Worker("read", read, stop)]
+    faulthandler.dump_traceback_later(WATCHDOG_S + 30, exit=False, file=sys.stderr)
+    trainer_error, steps = [], [0]
+
+    def train():
+        g = torch.Generator().manual_seed(5)
+        try:
+            for step in range(STEPS):
+                table = "u" if step % 3 else "v"
+                ids = _ids(g, table)
+                emb = store.lookup(table, ids)
+                assert torch.allclose(emb, ref.lookup(table, ids), atol=1e-6), f"step {step}: a row was corrupted"
+                grads = 0.5 * emb + torch.randn(emb.shape, generator=g)
+                store.update(table, ids, grads)
+                ref.update(table, ids, grads)
+                if step % 25 == 24:
+                    v = torch.randn(3, 8, generator=g)
+                    store.write("u", torch.tensor([1, 2, 3]), v)
+                    ref.write("u", torch.tensor([1, 2, 3]), v)
+                steps[0] += 1
+        except BaseException as e:  # noqa: BLE001
+            trainer_error.append(e)
+
+    trainer = threading.Thread(target=train, name="train", daemon=True)
+    try:
+        for w in workers:
+            w.start()
+        trainer.start()
+        trainer.join(WATCHDOG_S)
+        stop.set()
+        for w in workers:
+            w.join(30)
+        alive = [t.name for t in [trainer, *workers] if t.is_alive()]
+        if alive:
+            faulthandler.dump_traceback(file=sys.stderr)
+        assert not alive, f"deadlock: {alive} still running after the watchdog deadline"
+    finally:
+        stop.set()
+        faulthandler.cancel_dump_traceback_later()
+        server.shutdown()
+    assert not trainer_error, trainer_error
+    for w in workers:
+        assert w.error is None, f"{w.name}: {w.error!r}"
+    assert steps[0] == STEPS
+    # the other threads really ran alongside the training
+    assert all(w.count >= 5 for w in workers), {w.name: w.count for w in workers}
+    st = store.stats()["_store"]
+    assert st["flushes"] >= workers[1].count and st["bytes_host_to_disk"] > 0
+
+    def compare(s):
+        for table, pool in (("u", torch.arange(400)), ("v", V_POOL)):
+            for i in range(0, pool.numel(), 60):
+                ids = pool[i:i + 60]
+                assert torch.allclose(s.lookup(table, ids), ref.lookup(table, ids), atol=1e-6), table
+    compare(store)
+    store.audit()
+    store.close()
+    s = hm.HierarchicalStore.open(tmp_path / "s")
+    try:
+        compare(s)
+    finally:
+        s.close()

@@ -87,3 +87,31 @@ def test_checker_reports_lost_and_torn_rows(torture, tmp_path):
     assert check.lost == 1 and check.torn == 1, check.problems
     assert f"lost: bounded id {int(victim['pos'])}" in check.problems
     assert f"torn: bounded id {torn_pos}" in check.problems
+
+
+def test_readme_reliability_table_names_real_tests():
+    """Every test the README's Reliability table cites exists (``file::name``, or
+    ``::name`` for the file named before it; ``*`` as a prefix wildcard)."""
+    import fnmatch
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Reliability"):text.index("## Statistics")]
+    cited, current = [], None
+    for ref in re.findall(r"`((?:tests/\w+\.py)?::[\w*]+|tests/\w+\.py)`", table):
+        if ref.startswith("tests/"):
+            current, _, name = ref.partition("::")
+        else:
+            name = ref[2:]
+        assert (ROOT / current).is_file(), current
+        if name:
+            cited.append((current, name))
+    for line in table.splitlines():  # bare names in parentheses after a file, e.g. (`test_x`, ...)
+        m = re.search(r"`(tests/\w+\.py)` \(([^)]*)\)", line)
+        if m:
+            cited += [(m.group(1), n) for n in re.findall(r"`(test_[\w*]+)`", m.group(2))]
+    assert len(cited) >= 20
+    for path, name in cited:
+        defs = re.findall(r"^def (test_\w+)", (ROOT / path).read_text(), re.M)
+        assert fnmatch.filter(defs, name), f"{path}::{name} does not exist"
+    assert (ROOT / "scripts" / "torture.py").is_file()

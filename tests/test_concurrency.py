@@ -142,3 +142,78 @@ def test_training_scrapes_flushes_and_lookups_share_a_store(tmp_path):
         compare(s)
     finally:
         s.close()
+
+
+def test_close_under_load_is_clean_and_loses_nothing(tmp_path):
+    """Two trainers (one table each), a scraper and a flusher run while the main thread
+    closes the store: every thread ends with success or StoreClosedError (nothing else, no
+    deadlock), and after reopening each table equals its trainer's reference as of the
+    trainer's last completed update (close flushed it)."""
+    opt = hm.Adagrad(lr=0.1)
+    store = hm.HierarchicalStore(TABLES, hm.StoreConfig(path=tmp_path / "s", device_rows=16, host_rows=48,
+                                                        optimizer=opt, seed=4))
+    stores = hm.MetricsRegistry()
+    stores.add(store, "closing")
+    server, _ = hm.serve_metrics(0, registry=CollectorRegistry(), stores=stores)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    refs = {t: FlatStore(TABLES, opt, seed=4) for t in ("u", "v")}
+    done = {t: 0 for t in refs}
+    errors: list[BaseException] = []
+
+    def trainer(table):
+        g = torch.Generator().manual_seed({"u": 1, "v": 2}[table])
+        ref = refs[table]
+        try:
+            while True:
+                ids = _ids(g, table)
+                emb = store.lookup(table, ids)
+                assert torch.allclose(emb, ref.lookup(table, ids), atol=1e-6)
+                grads = 0.5 * emb + torch.randn(emb.shape, generator=g)
+                store.update(table, ids, grads)
+                ref.update(table, ids, grads)
+                done[table] += 1
+        except hm.StoreClosedError:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def side(fn):
+        try:
+            while not store.closed:
+                fn()
+        except hm.StoreClosedError:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def scrape():
+        with urllib.request.urlopen(url, timeout=30) as r:
+            r.read()
+
+    threads = [threading.Thread(target=trainer, args=(t,), daemon=True) for t in refs]
+    threads += [threading.Thread(target=side, args=(fn,), daemon=True) for fn in (scrape, store.flush)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + WATCHDOG_S
+        while min(done.values()) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store.close()
+        for t in threads:
+            t.join(30)
+        alive = [t.name for t in threads if t.is_alive()]
+        if alive:
+            faulthandler.dump_traceback(file=sys.stderr)
+        assert not alive, f"deadlock: {alive}"
+    finally:
+        server.shutdown()
+    assert not errors, errors
+    assert min(done.values()) >= 40
+    s = hm.HierarchicalStore.open(tmp_path / "s")
+    try:
+        for table, pool in (("u", torch.arange(400)), ("v", V_POOL)):
+            for i in range(0, pool.numel(), 60):
+                ids = pool[i:i + 60]
+                assert torch.allclose(s.lookup(table, ids), refs[table].lookup(table, ids), atol=1e-6), table
+    finally:
+        s.close()

@@ -71,8 +71,15 @@ INJECTED = {"flush-txn", "flush-sync", "writeback-txn", "after-flush"}
 ROW, FLUSH = 0, 1  # log entry kinds
 
 
+OPTIMIZERS = {  # Adagrad by default: per-element state, so weights and state could tear apart
+    "adagrad": hm.Adagrad(lr=0.1), "adam": hm.Adam(lr=0.05), "rowwise_adagrad": hm.RowWiseAdagrad(lr=0.1),
+    "sgd": hm.SGD(lr=0.1),
+}
+_OPTIMIZER = ["adagrad"]  # set by --optimizer, in the harness and (passed on) in the child
+
+
 def optimizer() -> hm.Optimizer:
-    return hm.Adagrad(lr=0.1)  # has per-element state, so weights and state can tear apart
+    return OPTIMIZERS[_OPTIMIZER[0]]
 
 
 def pools() -> list[torch.Tensor]:
@@ -387,7 +394,8 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
     base_path, log_path = work / "baseline.npz", work / f"log{i}.bin"
     base.save(base_path)
     nth = rng.randint(1, 4)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--store", str(work / "store"),
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--optimizer", _OPTIMIZER[0],
+           "--store", str(work / "store"),
            "--log", str(log_path), "--baseline", str(base_path), "--seed", str(rng.randrange(2**31)),
            "--mode", mode, "--nth", str(nth), "--policy", policy]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -422,8 +430,10 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
 
 
 def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODES,
-            verbose: bool = True) -> list[Round]:
-    """Run ``kills`` rounds on a fresh store under ``work``; returns each round's result."""
+            verbose: bool = True, opt: str = "adagrad") -> list[Round]:
+    """Run ``kills`` rounds on a fresh store under ``work`` (optimizer ``opt``, a key of
+    :data:`OPTIMIZERS`); returns each round's result."""
+    _OPTIMIZER[0] = opt
     rng = random.Random(seed)
     make_store(work / "store").close()
     base = Reference.initial()
@@ -456,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for a in ("--store", "--log", "--baseline", "--mode", "--policy"):
         p.add_argument(a, help=argparse.SUPPRESS)
@@ -463,11 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=20_000, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
+        _OPTIMIZER[0] = a.optimizer
         return child(a)
     work = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="hm-torture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        rounds = torture(a.kills, work, a.seed)
+        rounds = torture(a.kills, work, a.seed, opt=a.optimizer)
     finally:
         if not a.keep and a.dir is None:
             shutil.rmtree(work, ignore_errors=True)

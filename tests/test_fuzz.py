@@ -364,3 +364,70 @@ def test_non_finite_values_are_refused_by_every_writer(tmp_path, bad):
         assert torch.equal(s.lookup("b", torch.arange(5)), before)
     finally:
         s.close()
+
+
+# -- SparseFeatures: lengths that do not add up -------------------------------------------------
+from hypothesis import given  # noqa: E402
+
+INT_KINDS = [torch.int64, torch.int32, torch.int16, torch.uint8]
+
+
+@st.composite
+def sparse_args(draw):
+    keys = draw(st.sampled_from([("a",), ("a", "b"), ("a", "b", "c"), ("a", "a"), (), "ab", ("a", 3)]))
+    nk = max(1, len(keys)) if not isinstance(keys, str) else 1
+    B = draw(st.integers(0, 4))
+    lengths = draw(st.lists(st.integers(0, 4) | st.sampled_from([-1, -3]) if draw(st.integers(0, 5)) == 0
+                            else st.integers(0, 4), min_size=nk * B, max_size=nk * B))
+    if draw(st.integers(0, 5)) == 0:  # not a multiple of the keys
+        lengths = lengths + [draw(st.integers(0, 3))]
+    total = sum(lengths)
+    nvals = max(0, total if draw(st.integers(0, 3)) else total + draw(st.sampled_from([-2, -1, 1, 2])))
+    values = torch.arange(nvals).to(draw(st.sampled_from(INT_KINDS * 3 + [torch.float32, torch.bool])))
+    lengths_t = torch.tensor(lengths, dtype=draw(st.sampled_from(INT_KINDS * 3 + [torch.float32])))
+    if draw(st.integers(0, 10)) == 0:
+        values = values.reshape(-1, 1)
+    weights = None
+    r = draw(st.integers(0, 3))
+    if r == 1:
+        weights = torch.rand(nvals)
+    elif r == 2:
+        weights = torch.rand(max(0, nvals + draw(st.sampled_from([-1, 1]))))
+    elif r == 3:
+        weights = torch.ones(nvals, dtype=torch.int64)
+    return keys, values, lengths_t, weights, lengths
+
+
+def _sparse_valid(keys, values, lengths_t, weights, lengths) -> bool:
+    if isinstance(keys, str) or not keys or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+        return False
+    ints = all(t.dim() == 1 and t.dtype in INT_KINDS for t in (values, lengths_t))
+    if not ints or len(lengths) % len(keys) or any(v < 0 for v in lengths) or sum(lengths) != values.numel():
+        return False
+    return weights is None or (weights.is_floating_point() and tuple(weights.shape) == (values.numel(),))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sparse_args())
+def test_sparse_features_accept_exactly_the_batches_that_add_up(args):
+    keys, values, lengths_t, weights, lengths = args
+    ok = _sparse_valid(*args)
+    try:
+        f = hm.SparseFeatures(keys, values, lengths_t, weights)
+    except hm.HierMemError as e:
+        assert not ok, f"valid batch refused: {e}"
+        assert isinstance(e, (TypeError, ValueError))
+        return
+    assert ok, "a batch whose parts do not fit was accepted"
+    B = len(lengths) // len(keys)
+    assert f.batch_size == B
+    assert f.offsets().tolist() == np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
+    d, start = f.to_dict(), 0
+    for i, k in enumerate(keys):
+        lens = lengths[i * B:(i + 1) * B]
+        vals, offs, w = d[k]
+        assert vals.tolist() == values[start:start + sum(lens)].tolist()
+        assert offs.tolist() == (np.cumsum(lens, dtype=np.int64) - lens).tolist()
+        if weights is not None:
+            assert torch.equal(w, weights[start:start + sum(lens)])
+        start += sum(lens)

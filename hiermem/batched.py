@@ -33,9 +33,10 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 class Ticket:
     """The distinct rows of one prefetched batch, pinned until :meth:`release`.
 
-    ``pinned`` is False when the store could not make the batch resident next to the
-    rows already pinned (the batch is then looked up normally); ``on_device`` tells
-    whether every row landed on the device tier.
+    ``pinned`` is False when the prefetch was refused (no room beside the rows already
+    pinned: the batch is then looked up normally) or revoked (a batch that was not
+    prefetched needed the room); ``on_device`` tells whether every row landed on the
+    device tier.
     """
 
     t: torch.Tensor
@@ -43,6 +44,7 @@ class Ticket:
     ids: int
     pinned: bool
     on_device: bool
+    accounted: bool  # the prefetch placed and accounted the batch (its lookup must not again)
     released: bool = False
 
     def __len__(self) -> int:
@@ -62,6 +64,7 @@ class BatchedOps:
         if all(n is not None for n in sizes) and sum(sizes) < 2**62:
             self._linear = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64, device=d)
         self._multi_memo: tuple | None = None
+        self._live_tickets: list[Ticket] = []  # pinned, not yet released
 
     def _multi_ids(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated ``(table index, id)`` per id, int64 on the store's device."""
@@ -146,15 +149,20 @@ class BatchedOps:
             self._check_open()
             t, k = self._multi_ids(tables, ids)
             if k.numel() == 0:
-                return Ticket(t[:0], k[:0], 0, True, True)
+                return Ticket(t[:0], k[:0], 0, True, True, True)
             b = self._batch_multi(t, k)
+            pinned = int((self._dev.pins > 0).sum()) + int((self._host.pins > 0).sum())
+            # admission: leave room for one more batch like this one beside every pinned row
+            if pinned + 2 * b.k.numel() > self._dev.capacity + self._host.capacity:
+                self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
+                return Ticket(b.t, b.k, b.n, False, False, False)
             g0 = self._keys.find(b.t, b.k)
             was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
             try:
                 p = self._place(b, account=True)
-            except CapacityError:
+            except CapacityError:  # nothing changed
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
-                return Ticket(b.t, b.k, b.n, False, False)
+                return Ticket(b.t, b.k, b.n, False, False, False)
             self._pin(p, 1)
             on_dev = p.on_device is None
             now_dev = torch.ones_like(was_dev) if on_dev else p.on_device
@@ -162,7 +170,9 @@ class BatchedOps:
             self.counters.add_io(IO.PREFETCHED_BATCHES, 1)
             if not on_dev:
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
-            return Ticket(b.t, b.k, b.n, True, on_dev)
+            ticket = Ticket(b.t, b.k, b.n, True, on_dev, True)
+            self._live_tickets.append(ticket)
+            return ticket
 
     def release(self, ticket: Ticket) -> None:
         """Unpin the rows of a prefetched batch (idempotent)."""
@@ -172,19 +182,41 @@ class BatchedOps:
             ticket.released = True
             if not ticket.pinned or not len(ticket) or self._closed:
                 return
-            g = self._keys.find(ticket.t, ticket.k)
-            assert bool((g >= 0).all()), "a pinned row is not resident"
-            D = self._dev.capacity
-            on_dev = g < D
-            self._dev.pins[g[on_dev]] -= 1
-            hs = (g[~on_dev] - D).cpu()
-            self._host.pins[hs] -= 1
+            self._unpin(ticket)
+            self._live_tickets = [x for x in self._live_tickets if x is not ticket]
+
+    def _unpin(self, ticket: Ticket) -> None:
+        g = self._keys.find(ticket.t, ticket.k)
+        assert bool((g >= 0).all()), "a pinned row is not resident"
+        D = self._dev.capacity
+        on_dev = g < D
+        self._dev.pins[g[on_dev]] -= 1
+        hs = (g[~on_dev] - D).cpu()
+        self._host.pins[hs] -= 1
+
+    def revoke_prefetches(self) -> int:
+        """Unpin every outstanding prefetch (their batches are then looked up as if not
+        prefetched, without being accounted twice); returns how many were revoked."""
+        with self._lock:
+            live = [x for x in self._live_tickets if x.pinned and not x.released]
+            for x in live:
+                self._unpin(x)
+                x.pinned = False
+            self._live_tickets = []
+            self.counters.add_io(IO.PREFETCH_REVOKED, len(live))
+            return len(live)
 
     def _place_batch(self, b, ticket: Ticket | None):
         """Placement for a lookup: accounted, or, for a pinned ticket, its resident rows
         (moved up to the device when they are not there, without accounting)."""
         if ticket is None or not ticket.pinned:
-            return self._place(b, account=True)
+            account = ticket is None or not ticket.accounted
+            try:
+                return self._place(b, account=account)
+            except CapacityError:  # later batches' pins hold the room this batch needs
+                if not self.revoke_prefetches():
+                    raise
+                return self._place(b, account=account)
         g = self._keys.find(b.t, b.k)
         in_dev = (g >= 0) & (g < self._dev.capacity)
         self.counters.add_io(IO.PREFETCH_HITS, int(b.counts[in_dev].sum()))
@@ -269,7 +301,12 @@ class BatchedOps:
             raise NonFiniteGradientError("gradients contain NaN or inf (or their per-row sums overflow); "
                                          "nothing changed")
         if p is None:
-            p = self._place(b, account=False)
+            try:
+                p = self._place(b, account=False)
+            except CapacityError:
+                if not self.revoke_prefetches():
+                    raise
+                p = self._place(b, account=False)
         # one optimizer call per group of tables with the same dim, width and step count
         groups: dict[tuple, list[int]] = defaultdict(list)
         present = torch.unique(b.t).tolist()

@@ -136,7 +136,9 @@ class _Handle:
 
     def looked_up(self) -> None:
         self.looked = True
-        if self.next is not None:
+        # a pinned batch cannot lose its rows to the next prefetch: start it now, while
+        # this step computes; an unpinned one would, so its successor waits for release
+        if self.next is not None and self.result is not None and self.result.pinned:
             self.pipe._submit(self.next)
 
     def release(self) -> None:
@@ -146,6 +148,8 @@ class _Handle:
         ticket = self.result
         if ticket is not None:
             self.pipe._worker.submit(lambda: self.pipe.store.release(ticket))
+        if self.next is not None:
+            self.pipe._submit(self.next)  # no-op when already submitted
 
 
 class PrefetchPipeline:

@@ -62,6 +62,7 @@ class IO(enum.IntEnum):
     LATE_PREFETCHES = 10  # rows whose prefetch was still in flight when their batch needed them
     PREFETCH_DEGRADED = 11  # prefetched batches not entirely on the device tier (pinned rows filled it)
     PREFETCHED_BATCHES = 12  # batches prefetched and pinned
+    PREFETCH_REVOKED = 13  # prefetches unpinned early: a batch that was not prefetched needed the room
 
 
 #: Upper bounds (seconds) of the duration histograms' buckets; a last ``+Inf`` is implied.

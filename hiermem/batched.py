@@ -151,6 +151,7 @@ class BatchedOps:
             if k.numel() == 0:
                 return Ticket(t[:0], k[:0], 0, True, True, True)
             b = self._batch_multi(t, k)
+            self.counters.add_io(IO.PREFETCH_REQUESTS, 1)
             pinned = int((self._dev.pins > 0).sum()) + int((self._host.pins > 0).sum())
             # admission: leave room for one more batch like this one beside every pinned row
             if pinned + 2 * b.k.numel() > self._dev.capacity + self._host.capacity:
@@ -168,6 +169,7 @@ class BatchedOps:
             now_dev = torch.ones_like(was_dev) if on_dev else p.on_device
             self.counters.add_io(IO.PREFETCHED_ROWS, int((now_dev & ~was_dev).sum()))
             self.counters.add_io(IO.PREFETCHED_BATCHES, 1)
+            self.counters.add_io(IO.PREFETCH_PINNED_ROWS, b.k.numel())
             if not on_dev:
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
             ticket = Ticket(b.t, b.k, b.n, True, on_dev, True)

@@ -63,6 +63,8 @@ class IO(enum.IntEnum):
     PREFETCH_DEGRADED = 11  # prefetched batches not entirely on the device tier (pinned rows filled it)
     PREFETCHED_BATCHES = 12  # batches prefetched and pinned
     PREFETCH_REVOKED = 13  # prefetches unpinned early: a batch that was not prefetched needed the room
+    PREFETCH_REQUESTS = 14  # prefetch calls (batches asked for)
+    PREFETCH_PINNED_ROWS = 15  # distinct rows of prefetched batches, pinned
 
 
 #: Upper bounds (seconds) of the duration histograms' buckets; a last ``+Inf`` is implied.

@@ -60,18 +60,20 @@ def test_every_cli_server_binds_loopback_by_default(tmp_path, monkeypatch):
         calls.append(addr)
         return real(port, addr=addr, registry=CollectorRegistry())
     monkeypatch.setattr(hiermem.metrics, "start_http_server", spy)
-    path = tmp_path / "d"
-    assert cli.main(["demo", "--steps", "1", "--batch", "8", "--num-rows", "100", "--device-rows", "10",
-                     "--host-rows", "200", "--path", str(path), "--metrics-port", "0"]) == 0
+    path = tmp_path / "store"  # (the demo's --metrics-addr is checked through the parser below)
+    hm.HierarchicalStore([hm.TableSpec("t", 10, 4)], hm.StoreConfig(path=path, device_rows=2, host_rows=4)).close()
     assert cli.main(["serve", str(path), "--port", "0", "--seconds", "0"]) == 0
-    assert calls == ["127.0.0.1", "127.0.0.1"]
+    assert calls == ["127.0.0.1"]
     # and every address-like option of every subcommand defaults to loopback
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "cmd")
+    seen = []
     for name, p in sub.choices.items():
         for a in p._actions:
             if a.dest.endswith(("addr", "host", "bind", "address")):
+                seen.append(a.dest)
                 assert a.default in LOOPBACK, f"hiermem {name} {a.option_strings}: default {a.default!r}"
+    assert {"addr", "metrics_addr"} <= set(seen)
 
 
 _ADDR_PARAMS = {"addr", "address", "host", "bind", "bind_addr", "metrics_addr", "listen"}
@@ -229,3 +231,26 @@ def test_reopening_makes_loosened_store_files_private_again(tmp_path):
         s.close()
     for f in ("data.mdb", "lock.mdb", "hiermem.lock"):
         assert modes[f] == 0o600, (f, oct(modes[f]))
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_checkpoints_and_restored_stores_are_private(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        s = hm.HierarchicalStore([hm.TableSpec("t", 100, 4)], hm.StoreConfig(path=tmp_path / "s", device_rows=2,
+                                                                             host_rows=4))
+        s.write("t", torch.arange(6), torch.ones(6, 4))
+        ck = s.checkpoint(tmp_path / "ckpts" / "c1")
+        s.close()
+        r = hm.HierarchicalStore.restore(ck, tmp_path / "restored")
+        r.close()
+    finally:
+        os.umask(old)
+    for d in (ck, tmp_path / "restored"):
+        modes = _modes(d)
+        assert modes.pop(".") == 0o700, d
+        assert "data.mdb" in modes
+        for name, mode in modes.items():
+            assert mode & 0o077 == 0, f"{d}/{name}: {oct(mode)}"
+    leftovers = [p.name for p in tmp_path.rglob(".*")]
+    assert leftovers == [], leftovers  # no temporary copies left behind

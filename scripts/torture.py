@@ -23,13 +23,22 @@ Kill modes, cycled over the rounds (``MODES``):
 * ``flush-txn`` / ``flush-sync`` / ``after-flush``: the child kills itself inside its
   k-th flush: with the rows put in the LMDB transaction but not committed; committed but
   not yet synced; or after ``flush()`` returned but before the marker was logged;
-* ``writeback-txn``: inside its k-th eviction write-back transaction, before commit.
+* ``writeback-txn``: inside its k-th eviction write-back transaction, before commit;
+* ``checkpoint``: a moment after the child announces a ``checkpoint()`` (its flush, the
+  LMDB copy, the fsyncs or the rename);
+* ``checkpoint-copy`` / ``checkpoint-rename``: inside the k-th checkpoint, after the LMDB
+  copy into the temporary directory, or just before that directory is renamed into place.
+
+The child takes a checkpoint every ~50 steps into a new directory, saving the
+reference's state just before; after the kill every checkpoint directory of the round
+must restore (``HierarchicalStore.restore``) to exactly that state, optimizer state and
+step counts included, and a checkpoint cut short must not exist at all.
 
 The values on disk after a round become the reference of the next one.  The last line
 printed is ``kills=N lost=L torn=T`` (real counts); the exit status is 1 unless every
 kill was a real SIGKILL, every reopen succeeded and no row was lost or torn.
 
-    python scripts/torture.py --kills 50            # ~3 min on 2 busy cores
+    python scripts/torture.py --kills 100           # ~3-4 min on 2 busy cores
     python scripts/torture.py --kills 6 --seed 1 --dir /tmp/t --keep
 """
 
@@ -66,8 +75,10 @@ HASHED = sorted({(i * 0x9E3779B97F4A7C15 + 12345) % (2**63) for i in range(119)}
 SEED = 11
 DEVICE_ROWS, HOST_ROWS = 8, 24  # 32 rows resident at most: constant evictions and write-backs
 FLUSH_EVERY = 12  # steps between flushes, on average
-MODES = ("random", "flush-txn", "flush", "flush-sync", "writeback-txn", "after-flush")
-INJECTED = {"flush-txn", "flush-sync", "writeback-txn", "after-flush"}
+MODES = ("random", "flush-txn", "flush", "flush-sync", "writeback-txn", "after-flush", "checkpoint",
+         "checkpoint-copy", "checkpoint-rename")
+INJECTED = {"flush-txn", "flush-sync", "writeback-txn", "after-flush", "checkpoint-copy", "checkpoint-rename"}
+CHECKPOINT_EVERY = 50  # steps between checkpoints, on average
 ROW, FLUSH = 0, 1  # log entry kinds
 
 
@@ -212,7 +223,44 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
         disk.write = write
     if mode == "after-flush":
         hooks["after_flush"] = lambda: _die() if seen["flush"] == nth else None
+    if mode.startswith("checkpoint-"):
+        _checkpoint_kill_point(store, mode, nth)
     return hooks
+
+
+class _EnvProxy:
+    """The store's LMDB environment, with ``copy`` (the checkpoint's snapshot) wrapped."""
+
+    def __init__(self, env, after_copy):
+        self._env, self._after_copy = env, after_copy
+
+    def copy(self, *a, **kw):
+        out = self._env.copy(*a, **kw)
+        self._after_copy()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def _checkpoint_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> None:
+    """Die in the ``nth`` checkpoint: right after LMDB's copy into the temporary directory
+    (``checkpoint-copy``), or just before that directory is renamed into place
+    (``checkpoint-rename``)."""
+    seen = [0]
+
+    def after_copy():
+        seen[0] += 1
+        if mode == "checkpoint-copy" and seen[0] == nth:
+            _die()
+    store._disk.env = _EnvProxy(store._disk.env, after_copy)
+    real_rename = os.rename
+
+    def rename(src, dst, *a, **kw):
+        if mode == "checkpoint-rename" and seen[0] == nth and ".tmp-" in os.fspath(src):
+            _die()
+        return real_rename(src, dst, *a, **kw)
+    os.rename = rename
 
 
 def child(args: argparse.Namespace) -> int:
@@ -226,8 +274,21 @@ def child(args: argparse.Namespace) -> int:
     log = Log(Path(args.log), max(widths(ref.opt)))
     hooks = install_kill_point(store, args.mode, args.nth)
     g = torch.Generator().manual_seed(args.seed)
+    ckdir, nck = Path(args.ckdir), 0
     print("READY", flush=True)
     for step in range(args.max_steps):
+        if int(torch.randint(0, CHECKPOINT_EVERY, (1,), generator=g)) == 0:
+            nck += 1
+            name = f"{args.round}-{nck}"
+            with open(ckdir / f"{name}.pending", "wb") as f:  # what the checkpoint must hold
+                np.savez(f, steps=np.array(ref.steps, dtype=np.int64),
+                         **{f"rec{i}": r.numpy() for i, r in enumerate(ref.recs)})
+            print("C", flush=True)
+            store.checkpoint(ckdir / name)
+            log.flush()  # a checkpoint flushes first
+            os.replace(ckdir / f"{name}.pending", ckdir / f"{name}.npz")
+            print("c", flush=True)
+            continue
         op = int(torch.randint(0, 100, (1,), generator=g))
         if op < 100 // FLUSH_EVERY:
             print("F", flush=True)
@@ -281,6 +342,9 @@ class Check:
     lost: int = 0
     torn: int = 0
     later: int = 0  # rows holding a value newer than their last-flushed one
+    checkpoints: int = 0  # checkpoints of the round restored and compared
+    checkpoint_bad: int = 0  # of those, unrestorable or not exactly their snapshot
+    stale_tmp: int = 0  # temporary directories a killed checkpoint left behind
     problems: list[str] = field(default_factory=list)
 
 
@@ -359,6 +423,7 @@ class Round:
     in_flush: bool  # the child announced a flush it never finished
     check: Check
     open_error: str | None = None
+    in_checkpoint: bool = False  # ... or a checkpoint
 
 
 def _lines(proc: subprocess.Popen, timeout: float) -> list[str]:
@@ -394,8 +459,9 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
     base_path, log_path = work / "baseline.npz", work / f"log{i}.bin"
     base.save(base_path)
     nth = rng.randint(1, 4)
+    (work / "ck").mkdir(exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--optimizer", _OPTIMIZER[0],
-           "--store", str(work / "store"),
+           "--store", str(work / "store"), "--ckdir", str(work / "ck"), "--round", str(i),
            "--log", str(log_path), "--baseline", str(base_path), "--seed", str(rng.randrange(2**31)),
            "--mode", mode, "--nth", str(nth), "--policy", policy]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -406,6 +472,9 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
         elif mode == "flush":
             out += _wait_for(proc, "F", nth, 120)
             time.sleep(rng.uniform(0, 0.002))
+        elif mode == "checkpoint":
+            out += _wait_for(proc, "C", nth, 120)
+            time.sleep(rng.uniform(0, 0.01))
         if mode not in INJECTED:
             os.kill(proc.pid, signal.SIGKILL)
         rc = proc.wait(timeout=120)
@@ -421,12 +490,38 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
         raise RuntimeError(f"round {i} ({mode}): child rc={rc}, {[o for o in out if o not in 'Ff']}\n{err[-3000:]}")
     marks = [o for o in out if o in ("F", "f")]
     in_flush = bool(marks) and marks[-1] == "F"
+    cmarks = [o for o in out if o in ("C", "c")]
+    in_checkpoint = bool(cmarks) and cmarks[-1] == "C"
     log = read_log(log_path, max(widths(base.opt)))
     try:
         check, nxt = verify(work / "store", log, base)
     except hm.HierMemError as e:
         return Round(mode, rc, in_flush, Check(), open_error=f"{type(e).__name__}: {e}"), base
-    return Round(mode, rc, in_flush, check), nxt
+    verify_checkpoints(work, i, check)
+    return Round(mode, rc, in_flush, check, in_checkpoint=in_checkpoint), nxt
+
+
+def verify_checkpoints(work: Path, i: int, c: Check) -> None:
+    """Restore every checkpoint directory the round's process made and compare it, bit for
+    bit, with the reference snapshot the process saved just before taking it."""
+    ck = work / "ck"
+    c.stale_tmp = len(list(ck.glob(f".{i}-*.tmp-*")))
+    for d in sorted(p for p in ck.glob(f"{i}-*") if p.is_dir()):
+        want_path = next((p for p in (ck / f"{d.name}.npz", ck / f"{d.name}.pending") if p.exists()), None)
+        c.checkpoints += 1
+        try:
+            want = Reference.load(want_path)
+            hm.HierarchicalStore.restore(d, work / "restored").close()
+            recs, steps = on_disk(work / "restored", want.opt)
+        except (hm.HierMemError, OSError, ValueError) as e:
+            c.checkpoint_bad += 1
+            c.problems.append(f"checkpoint {d.name}: {type(e).__name__}: {e}")
+            continue
+        same = steps == want.steps and all(np.array_equal(r.view(np.uint32), w.numpy().view(np.uint32))
+                                           for r, w in zip(recs, want.recs))
+        if not same:
+            c.checkpoint_bad += 1
+            c.problems.append(f"checkpoint {d.name}: restored rows differ from its snapshot")
 
 
 def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODES,
@@ -444,8 +539,9 @@ def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODE
         rounds.append(r)
         if verbose:
             c = r.check
-            print(f"kill {i + 1:3d} {mode:13s} in_flush={int(r.in_flush)} rows={c.rows} later={c.later} "
-                  f"lost={c.lost} torn={c.torn}" + (f" OPEN ERROR {r.open_error}" if r.open_error else "")
+            print(f"kill {i + 1:3d} {mode:17s} in_flush={int(r.in_flush)} in_ckpt={int(r.in_checkpoint)} "
+                  f"rows={c.rows} later={c.later} lost={c.lost} torn={c.torn} ckpts={c.checkpoints} "
+                  f"ckpt_bad={c.checkpoint_bad}" + (f" OPEN ERROR {r.open_error}" if r.open_error else "")
                   + "".join(f"\n    {p}" for p in c.problems), flush=True)
     return rounds
 
@@ -456,6 +552,10 @@ def summary(rounds: list[Round]) -> dict:
             "open_errors": sum(r.open_error is not None for r in rounds),
             "problems": sum(len(r.check.problems) for r in rounds),
             "in_flush": sum(r.in_flush for r in rounds), "rows_checked": sum(r.check.rows for r in rounds),
+            "in_checkpoint": sum(r.in_checkpoint for r in rounds),
+            "checkpoints_restored": sum(r.check.checkpoints for r in rounds),
+            "checkpoints_bad": sum(r.check.checkpoint_bad for r in rounds),
+            "stale_checkpoint_tmp_dirs": sum(r.check.stale_tmp for r in rounds),
             "rows_later": sum(r.check.later for r in rounds),
             "modes": {m: sum(r.mode == m for r in rounds) for m in dict.fromkeys(r.mode for r in rounds)}}
 
@@ -468,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    for a in ("--store", "--log", "--baseline", "--mode", "--policy"):
+    for a in ("--store", "--log", "--baseline", "--mode", "--policy", "--ckdir", "--round"):
         p.add_argument(a, help=argparse.SUPPRESS)
     p.add_argument("--nth", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--max-steps", type=int, default=20_000, help=argparse.SUPPRESS)
@@ -486,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     s = summary(rounds)
     print(json.dumps(s))
     print(f"kills={s['kills']} lost={s['lost']} torn={s['torn']}")
-    ok = s["kills"] == a.kills and s["lost"] == s["torn"] == s["open_errors"] == s["problems"] == 0
+    ok = s["kills"] == a.kills and s["lost"] == s["torn"] == s["open_errors"] == s["problems"] == 0 \
+        and s["checkpoints_bad"] == 0
     return 0 if ok else 1
 
 

@@ -1,7 +1,8 @@
-"""Crash torture, short version of ``scripts/torture.py``: six SIGKILLs of a training
-process (random moments, inside flush at three points, inside an eviction write-back),
-a reopen after each, and every row checked against the harness's reference log; plus a
-check that the checker itself reports lost and torn rows when they exist."""
+"""Crash torture, short version of ``scripts/torture.py``: one SIGKILL of a training
+process per kill mode (a random moment; inside flush at four points; inside an eviction
+write-back; inside a checkpoint at three points), a reopen after each with every row
+checked against the harness's reference log, and every checkpoint restored and compared
+with its snapshot; plus a check that the checker itself reports lost and torn rows."""
 
 from __future__ import annotations
 
@@ -29,20 +30,23 @@ def torture():
     return mod
 
 
-def test_six_kills_lose_and_tear_nothing(torture, tmp_path):
-    rounds = torture.torture(6, tmp_path, seed=7, verbose=False)
+def test_kills_lose_and_tear_nothing(torture, tmp_path):
+    n = len(torture.MODES)  # one kill per mode: random, inside flush (4 ways), write-back, checkpoint (3 ways)
+    rounds = torture.torture(n, tmp_path, seed=7, verbose=False)
     s = torture.summary(rounds)
-    assert s["kills"] == 6 and all(r.rc == -signal.SIGKILL for r in rounds)
+    assert s["kills"] == n >= 5 and all(r.rc == -signal.SIGKILL for r in rounds)
     assert s["open_errors"] == 0, [r.open_error for r in rounds]
     assert s["lost"] == 0 and s["torn"] == 0, [p for r in rounds for p in r.check.problems]
-    assert s["problems"] == 0
+    assert s["problems"] == 0 and s["checkpoints_bad"] == 0, [p for r in rounds for p in r.check.problems]
     assert set(s["modes"]) == set(torture.MODES)
-    # the injected kills inside flush really died there (announced, never finished)
+    # the injected kills really died where they were meant to (announced, never finished)
     assert all(r.in_flush for r in rounds if r.mode in ("flush-txn", "flush-sync", "after-flush"))
-    # every row of the universe was checked after each kill, and some reopened rows held
-    # values newer than their last flush (eviction write-backs): the check is not vacuous
-    assert s["rows_checked"] == 6 * (300 + 120)
+    assert all(r.in_checkpoint for r in rounds if r.mode in ("checkpoint-copy", "checkpoint-rename"))
+    # every row of the universe was checked after each kill, some reopened rows held values
+    # newer than their last flush (eviction write-backs), and checkpoints were restored
+    assert s["rows_checked"] == n * (300 + 120)
     assert s["rows_later"] > 0
+    assert s["checkpoints_restored"] > 0
 
 
 def _put(path, ti, ident, rec):

@@ -104,6 +104,11 @@ class Checkpointing:
             StoreFormatError: ``checkpoint`` is not a store checkpoint.
         """
         ck, path = Path(checkpoint).absolute(), Path(path).absolute()
+        from .store import _OPEN, _OPEN_LOCK
+
+        with _OPEN_LOCK:
+            if os.path.realpath(path) in _OPEN:
+                raise HierMemError(f"{path}: store is open in this process; close it before restoring over it")
         if not (ck / "data.mdb").is_file():
             raise StoreFormatError(ck, "not a hiermem checkpoint (no data.mdb)")
         new = path.parent / f".{path.name}.restore-{os.getpid()}"
@@ -122,12 +127,20 @@ class Checkpointing:
         except BaseException:
             shutil.rmtree(new, ignore_errors=True)
             raise
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
-        if path.exists():
-            os.rename(path, old)
-        os.rename(new, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        if (path / "data.mdb").is_file():
+            # swap the data file inside the live directory: one atomic rename, so a kill
+            # at any moment leaves the old store or the checkpoint, never no store
+            os.replace(new / "data.mdb", path / "data.mdb")
+            _fsync_dir(path)
+            shutil.rmtree(new, ignore_errors=True)
+        else:
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                shutil.rmtree(new, ignore_errors=True)
+                raise StoreFormatError(path, "not a hiermem store: restore will not replace it")
+            if path.exists():
+                os.rmdir(path)
+            os.rename(new, path)
+            _fsync_dir(path.parent)
         return cls.open(path, **overrides)
 
     def export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:

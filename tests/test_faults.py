@@ -344,3 +344,84 @@ def test_saved_policy_file_gone_bad_is_refused_naming_it(tmp_path, change):
         assert same(snapshot(s), values)
     finally:
         s.close()
+
+
+# -- a kill in the middle of restore ----------------------------------------------------------
+_RESTORE_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import hiermem as hm
+    ck, path, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    calls = [0]
+
+    def dying(real):
+        def f(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k:  # SIGKILL just before the k-th rename of the restore
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **kw)
+        return f
+    os.rename, os.replace = dying(os.rename), dying(os.replace)
+    hm.HierarchicalStore.restore(ck, path).close()
+    print("RESTORED", calls[0])
+""")
+
+
+def test_kill_at_any_rename_of_restore_leaves_a_store_that_opens(tmp_path):
+    """restore() replaces the live store: killed before any of its renames, the path must
+    hold either the old store or the checkpoint, complete, never nothing."""
+    base = tmp_path / "base"
+    s = make(base)
+    train(s, 10, seed=1)
+    ck = s.checkpoint(tmp_path / "ck")
+    want_ck = snapshot(s)
+    train(s, 10, seed=2)
+    want_old = snapshot(s)
+    s.close()
+    outcomes = []
+    for k in range(1, 8):
+        path = tmp_path / f"live{k}"
+        shutil.copytree(base, path, ignore=shutil.ignore_patterns("lock.mdb"))
+        r = subprocess.run([sys.executable, "-c", _RESTORE_CHILD, str(ck), str(path), str(k)], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert r.returncode in (0, -9), r.stderr[-2000:]
+        st = hm.HierarchicalStore.open(path)  # must open: the old store or the checkpoint
+        try:
+            got = snapshot(st)
+        finally:
+            st.close()
+        assert same(got, want_old) or same(got, want_ck), f"kill before rename {k}: neither old nor checkpoint"
+        outcomes.append("old" if same(got, want_old) else "ck")
+        if r.returncode == 0:
+            assert outcomes[-1] == "ck"
+            break
+    else:
+        pytest.fail("restore made more than 6 renames")
+    assert "old" in outcomes and outcomes[-1] == "ck"
+
+
+def test_restore_refuses_an_open_store_and_a_foreign_directory(tmp_path):
+    s = make(tmp_path / "s")
+    train(s, 8, seed=1)
+    ck = s.checkpoint(tmp_path / "ck")
+    want = snapshot(s)
+    with pytest.raises(hm.HierMemError) as ei:  # replacing the file under an open store would lose its writes
+        hm.HierarchicalStore.restore(ck, tmp_path / "s")
+    assert "open" in str(ei.value) and str(tmp_path / "s") in str(ei.value)
+    assert same(snapshot(s), want)
+    s.close()
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(hm.StoreFormatError) as ei:
+        hm.HierarchicalStore.restore(ck, other)
+    assert str(other) in str(ei.value)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary copy left
+    for target in (tmp_path / "new", tmp_path / "empty"):
+        if target.name == "empty":
+            target.mkdir()
+        r = hm.HierarchicalStore.restore(ck, target)
+        try:
+            assert same(snapshot(r), want)
+        finally:
+            r.close()

@@ -29,6 +29,12 @@ Kill modes, cycled over the rounds (``MODES``):
 * ``checkpoint-copy`` / ``checkpoint-rename``: inside the k-th checkpoint, after the LMDB
   copy into the temporary directory, or just before that directory is renamed into place.
 
+* ``prefetch``: a moment after a prefetch starts on the ``PrefetchPipeline``'s thread;
+* ``prefetch-writeback``: inside the write-back transaction of the k-th prefetch that
+  evicts dirty rows.
+
+Every ~40 steps the child trains a few batches through ``CachedEmbeddingBagCollection``
+and a ``PrefetchPipeline`` (depth 2), checking each forward against the reference.
 The child takes a checkpoint every ~50 steps into a new directory, saving the
 reference's state just before; after the kill every checkpoint directory of the round
 must restore (``HierarchicalStore.restore``) to exactly that state, optimizer state and
@@ -47,13 +53,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,8 +83,10 @@ SEED = 11
 DEVICE_ROWS, HOST_ROWS = 8, 24  # 32 rows resident at most: constant evictions and write-backs
 FLUSH_EVERY = 12  # steps between flushes, on average
 MODES = ("random", "flush-txn", "flush", "flush-sync", "writeback-txn", "after-flush", "checkpoint",
-         "checkpoint-copy", "checkpoint-rename")
-INJECTED = {"flush-txn", "flush-sync", "writeback-txn", "after-flush", "checkpoint-copy", "checkpoint-rename"}
+         "checkpoint-copy", "checkpoint-rename", "prefetch", "prefetch-writeback")
+INJECTED = {"flush-txn", "flush-sync", "writeback-txn", "after-flush", "checkpoint-copy", "checkpoint-rename",
+            "prefetch-writeback"}
+PIPELINE_EVERY = 40  # steps between runs of PrefetchPipeline segments, on average
 CHECKPOINT_EVERY = 50  # steps between checkpoints, on average
 ROW, FLUSH = 0, 1  # log entry kinds
 
@@ -195,19 +204,24 @@ def _die() -> None:
 def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict:
     """Make the child SIGKILL itself at ``mode``'s point of its ``nth`` flush (or eviction
     write-back).  Returns a dict whose ``"after_flush"`` is called when flush() returns."""
-    disk, hooks, seen = store._disk, {"after_flush": lambda: None}, {"flush": 0, "writeback": 0}
+    disk, hooks = store._disk, {"after_flush": lambda: None, "in_checkpoint": [False]}
+    seen = {"flush": 0, "writeback": 0, "prefetch": 0, "checkpoint": 0}
     real_write, real_txn, real_sync = disk.write, disk._write_txn, disk.sync
+    wanted = {"writeback-txn": "writeback", "prefetch-writeback": "prefetch"}.get(mode, "flush")
+    in_prefetch = [False]
 
     def write(groups, meta=None, sync=False):
-        kind = "flush" if sync else "writeback"
+        kind = ("checkpoint" if hooks["in_checkpoint"][0] else "flush") if sync else \
+            "prefetch" if in_prefetch[0] else "writeback"
         seen[kind] += 1
-        armed = seen[kind] == nth and kind == ("writeback" if mode == "writeback-txn" else "flush")
+        armed = seen[kind] == nth and kind == wanted
 
         def txn(body, nbytes=0):
             def dying_body(t):
                 body(t)
                 _die()  # the rows are in the transaction, which never commits
-            return real_txn(dying_body if armed and mode in ("flush-txn", "writeback-txn") else body, nbytes)
+            dies = armed and mode in ("flush-txn", "writeback-txn", "prefetch-writeback")
+            return real_txn(dying_body if dies else body, nbytes)
 
         def sync_():
             if armed and mode == "flush-sync":
@@ -225,7 +239,69 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
         hooks["after_flush"] = lambda: _die() if seen["flush"] == nth else None
     if mode.startswith("checkpoint-"):
         _checkpoint_kill_point(store, mode, nth)
+    real_prefetch = store.prefetch
+
+    def prefetch(tables, ids):  # runs on the pipeline's thread
+        with store._lock:
+            print("P", flush=True)
+            in_prefetch[0] = True
+            try:
+                return real_prefetch(tables, ids)
+            finally:
+                in_prefetch[0] = False
+                print("p", flush=True)
+    store.prefetch = prefetch
     return hooks
+
+
+def pipeline_segment(store: hm.HierarchicalStore, ref: "Reference", log: "Log", g: torch.Generator,
+                     nbatches: int) -> bool:
+    """Train ``nbatches`` batches through ``CachedEmbeddingBagCollection`` and a
+    ``PrefetchPipeline`` (depth 2, prefetches on its own thread).  The module's fused
+    backward calls ``store.update_bags``; the reference applies the same gradient and the
+    changed rows are logged before the store lock is released, so no prefetch can write
+    them down unlogged.  Returns False when a forward differs from the reference."""
+    module = hm.CachedEmbeddingBagCollection(TABLES, store=store)
+    real_update = store.update_bags
+
+    def update_bags(tables, ids, offsets, grad, mode="sum", per_sample_weights=None, ticket=None):
+        with store._lock:
+            real_update(tables, ids, offsets, grad, mode, per_sample_weights, ticket=ticket)
+            lengths = torch.diff(offsets.cpu(), append=torch.tensor([ids.numel()]))
+            g_ids = grad.detach().float().cpu()[torch.repeat_interleave(torch.arange(offsets.numel()), lengths)]
+            for ti in torch.unique(tables).tolist():
+                m = (tables == ti).cpu()
+                pos = ref.update(ti, ids.cpu()[m], g_ids[m][:, :TABLES[ti].dim])
+                log.rows(ti, pos, ref.recs[ti].index_select(0, pos))
+    store.update_bags = update_bags
+
+    def batches():
+        for _ in range(nbatches):
+            lengths = torch.randint(0, 4, (2 * 4,), generator=g)  # 2 features x 4 samples
+            parts = []
+            for ti, n in enumerate(lengths.view(2, 4).sum(1).tolist()):
+                pool = ref.pools[ti]
+                parts.append(pool[(torch.rand(n, generator=g) ** 2 * pool.numel()).long()])
+            yield hm.SparseFeatures(tuple(s.name for s in TABLES), torch.cat(parts), lengths)
+    try:
+        with hm.PrefetchPipeline(batches(), module, depth=2, timeout=60) as pipe:
+            for f in pipe:
+                out = module(f)
+                if not torch.allclose(out, _pooled_reference(ref, f), atol=1e-5, rtol=1e-5):
+                    return False
+                (0.5 * out.square().sum()).backward()
+    finally:
+        store.update_bags = real_update
+    return True
+
+
+def _pooled_reference(ref: "Reference", f: hm.SparseFeatures) -> torch.Tensor:
+    """What the module must output for ``f``: per sample, each table's bag summed."""
+    cols, B = [], f.batch_size
+    for ti, (vals, offs, _) in enumerate(f.to_dict().values()):
+        bag = torch.repeat_interleave(torch.arange(B), torch.diff(offs, append=torch.tensor([vals.numel()])))
+        cols.append(torch.zeros(B, TABLES[ti].dim).index_add_(0, bag, ref.weights(ti, vals)))
+    return torch.cat(cols, 1)
 
 
 class _EnvProxy:
@@ -284,10 +360,17 @@ def child(args: argparse.Namespace) -> int:
                 np.savez(f, steps=np.array(ref.steps, dtype=np.int64),
                          **{f"rec{i}": r.numpy() for i, r in enumerate(ref.recs)})
             print("C", flush=True)
+            hooks["in_checkpoint"][0] = True  # its flush is not one of the flushes counted for kill points
             store.checkpoint(ckdir / name)
+            hooks["in_checkpoint"][0] = False
             log.flush()  # a checkpoint flushes first
             os.replace(ckdir / f"{name}.pending", ckdir / f"{name}.npz")
             print("c", flush=True)
+            continue
+        if int(torch.randint(0, PIPELINE_EVERY, (1,), generator=g)) == 0:
+            if not pipeline_segment(store, ref, log, g, int(torch.randint(5, 25, (1,), generator=g))):
+                print(f"MISMATCH pipeline forward step {step}", flush=True)
+                return 3
             continue
         op = int(torch.randint(0, 100, (1,), generator=g))
         if op < 100 // FLUSH_EVERY:
@@ -328,7 +411,9 @@ def child(args: argparse.Namespace) -> int:
             store.update(TABLES[ti].name, ids, grads)
             pos = ref.update(ti, ids, grads)
         log.rows(ti, pos, ref.recs[ti].index_select(0, pos))  # before any later call can write them
-    print("IDLE", flush=True)
+    print("IDLE", flush=True)  # the kill point never came: die anyway (counted as missed)
+    if args.mode in INJECTED:
+        _die()
     time.sleep(3600)
     return 0
 
@@ -424,35 +509,53 @@ class Round:
     check: Check
     open_error: str | None = None
     in_checkpoint: bool = False  # ... or a checkpoint
+    in_prefetch: bool = False  # ... or a prefetch (on the pipeline's thread)
+    missed: bool = False  # an injected kill point never came (the child died idle)
 
 
-def _lines(proc: subprocess.Popen, timeout: float) -> list[str]:
-    """Lines the child printed within ``timeout`` (stops early at EOF)."""
-    out, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not r:
-            break
-        line = proc.stdout.readline()
-        if not line:
-            break
-        out.append(line.strip())
-    return out
+class _Output:
+    """The child's stdout, drained by a thread (a full pipe would block the child's
+    prints, and so the child, while the harness waits for it to die)."""
 
+    def __init__(self, proc: subprocess.Popen):
+        self.q: queue.Queue = queue.Queue()
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._drain, args=(proc.stdout,), daemon=True)
+        self.thread.start()
 
-def _wait_for(proc: subprocess.Popen, word: str, count: int, timeout: float) -> list[str]:
-    seen, out, deadline = 0, [], time.monotonic() + timeout
-    while seen < count:
-        left = deadline - time.monotonic()
-        r, _, _ = select.select([proc.stdout], [], [], max(0.0, left))
-        if not r:
-            raise TimeoutError(f"child did not print {word!r} x{count} in {timeout}s")
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"child exited (rc={proc.wait()}): {out[-5:]} {proc.stderr.read()[-3000:]}")
-        out.append(line.strip())
-        seen += line.strip() == word
-    return out
+    def _drain(self, f) -> None:
+        for line in f:
+            self.q.put(line.strip())
+        self.q.put(None)  # EOF
+
+    def _next(self, timeout: float) -> str | None:
+        line = self.q.get(timeout=max(0.0, timeout))
+        if line is not None:
+            self.lines.append(line)
+        return line
+
+    def wait_for(self, word: str, count: int, timeout: float) -> None:
+        """Until the child printed ``word`` ``count`` more times."""
+        seen, deadline = 0, time.monotonic() + timeout
+        while seen < count:
+            try:
+                line = self._next(deadline - time.monotonic())
+            except queue.Empty:
+                raise TimeoutError(f"child did not print {word!r} x{count} in {timeout}s") from None
+            if line is None:
+                raise RuntimeError(f"child exited early: {self.lines[-5:]}")
+            seen += line == word
+
+    def rest(self, timeout: float = 60) -> list[str]:
+        """Every line, once the child is dead."""
+        self.thread.join(timeout)
+        while True:
+            try:
+                if self._next(0) is None:
+                    break
+            except queue.Empty:
+                break
+        return self.lines
 
 
 def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference, policy: str) -> tuple[Round, Reference]:
@@ -464,41 +567,50 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
            "--store", str(work / "store"), "--ckdir", str(work / "ck"), "--round", str(i),
            "--log", str(log_path), "--baseline", str(base_path), "--seed", str(rng.randrange(2**31)),
            "--mode", mode, "--nth", str(nth), "--policy", policy]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
-    try:
-        out = _wait_for(proc, "READY", 1, 120)
-        if mode == "random":
-            out += _lines(proc, rng.uniform(0.05, 0.8))
-        elif mode == "flush":
-            out += _wait_for(proc, "F", nth, 120)
-            time.sleep(rng.uniform(0, 0.002))
-        elif mode == "checkpoint":
-            out += _wait_for(proc, "C", nth, 120)
-            time.sleep(rng.uniform(0, 0.01))
-        if mode not in INJECTED:
-            os.kill(proc.pid, signal.SIGKILL)
-        rc = proc.wait(timeout=120)
-        out += [line.strip() for line in proc.stdout.read().splitlines()]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        err = proc.stderr.read()
+    with open(work / "child.stderr", "w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        out = _Output(proc)
+        try:
+            out.wait_for("READY", 1, 120)
+            if mode == "random":
+                time.sleep(rng.uniform(0.05, 0.8))
+            elif mode == "flush":
+                out.wait_for("F", nth, 120)
+                time.sleep(rng.uniform(0, 0.002))
+            elif mode == "checkpoint":
+                out.wait_for("C", nth, 120)
+                time.sleep(rng.uniform(0, 0.01))
+            elif mode == "prefetch":
+                out.wait_for("P", 5 * nth, 120)
+                time.sleep(rng.uniform(0, 0.002))
+            if mode not in INJECTED:
+                os.kill(proc.pid, signal.SIGKILL)
+            rc = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lines = out.rest()
         proc.stdout.close()
-        proc.stderr.close()
-    if any(o.startswith("MISMATCH") for o in out) or rc != -signal.SIGKILL:
-        raise RuntimeError(f"round {i} ({mode}): child rc={rc}, {[o for o in out if o not in 'Ff']}\n{err[-3000:]}")
+        err.seek(0)
+        if any(o.startswith("MISMATCH") for o in lines) or rc != -signal.SIGKILL:
+            raise RuntimeError(f"round {i} ({mode}): child rc={rc}, {[o for o in lines if len(o) > 1]}\n"
+                               f"{err.read()[-3000:]}")
+    out = lines
     marks = [o for o in out if o in ("F", "f")]
     in_flush = bool(marks) and marks[-1] == "F"
     cmarks = [o for o in out if o in ("C", "c")]
     in_checkpoint = bool(cmarks) and cmarks[-1] == "C"
+    pmarks = [o for o in out if o in ("P", "p")]
+    in_prefetch = bool(pmarks) and pmarks[-1] == "P"
     log = read_log(log_path, max(widths(base.opt)))
     try:
         check, nxt = verify(work / "store", log, base)
     except hm.HierMemError as e:
         return Round(mode, rc, in_flush, Check(), open_error=f"{type(e).__name__}: {e}"), base
     verify_checkpoints(work, i, check)
-    return Round(mode, rc, in_flush, check, in_checkpoint=in_checkpoint), nxt
+    return Round(mode, rc, in_flush, check, in_checkpoint=in_checkpoint, in_prefetch=in_prefetch,
+                 missed="IDLE" in out), nxt
 
 
 def verify_checkpoints(work: Path, i: int, c: Check) -> None:
@@ -539,7 +651,8 @@ def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODE
         rounds.append(r)
         if verbose:
             c = r.check
-            print(f"kill {i + 1:3d} {mode:17s} in_flush={int(r.in_flush)} in_ckpt={int(r.in_checkpoint)} "
+            print(f"kill {i + 1:3d} {mode:18s} in_flush={int(r.in_flush)} in_ckpt={int(r.in_checkpoint)} "
+                  f"in_prefetch={int(r.in_prefetch)} "
                   f"rows={c.rows} later={c.later} lost={c.lost} torn={c.torn} ckpts={c.checkpoints} "
                   f"ckpt_bad={c.checkpoint_bad}" + (f" OPEN ERROR {r.open_error}" if r.open_error else "")
                   + "".join(f"\n    {p}" for p in c.problems), flush=True)
@@ -553,6 +666,8 @@ def summary(rounds: list[Round]) -> dict:
             "problems": sum(len(r.check.problems) for r in rounds),
             "in_flush": sum(r.in_flush for r in rounds), "rows_checked": sum(r.check.rows for r in rounds),
             "in_checkpoint": sum(r.in_checkpoint for r in rounds),
+            "in_prefetch": sum(r.in_prefetch for r in rounds),
+            "missed_kill_points": sum(r.missed for r in rounds),
             "checkpoints_restored": sum(r.check.checkpoints for r in rounds),
             "checkpoints_bad": sum(r.check.checkpoint_bad for r in rounds),
             "stale_checkpoint_tmp_dirs": sum(r.check.stale_tmp for r in rounds),

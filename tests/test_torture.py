@@ -1,6 +1,7 @@
 """Crash torture, short version of ``scripts/torture.py``: one SIGKILL of a training
 process per kill mode (a random moment; inside flush at four points; inside an eviction
-write-back; inside a checkpoint at three points), a reopen after each with every row
+write-back; inside a checkpoint at three points; inside a prefetch on the pipeline's
+thread, timed and in its write-back), a reopen after each with every row
 checked against the harness's reference log, and every checkpoint restored and compared
 with its snapshot; plus a check that the checker itself reports lost and torn rows."""
 
@@ -31,7 +32,7 @@ def torture():
 
 
 def test_kills_lose_and_tear_nothing(torture, tmp_path):
-    n = len(torture.MODES)  # one kill per mode: random, inside flush (4 ways), write-back, checkpoint (3 ways)
+    n = len(torture.MODES)  # one kill per mode: random, flush (4 ways), write-back, checkpoint (3), prefetch (2)
     rounds = torture.torture(n, tmp_path, seed=7, verbose=False)
     s = torture.summary(rounds)
     assert s["kills"] == n >= 5 and all(r.rc == -signal.SIGKILL for r in rounds)
@@ -42,6 +43,8 @@ def test_kills_lose_and_tear_nothing(torture, tmp_path):
     # the injected kills really died where they were meant to (announced, never finished)
     assert all(r.in_flush for r in rounds if r.mode in ("flush-txn", "flush-sync", "after-flush"))
     assert all(r.in_checkpoint for r in rounds if r.mode in ("checkpoint-copy", "checkpoint-rename"))
+    assert all(r.in_prefetch for r in rounds if r.mode == "prefetch-writeback")
+    assert s["missed_kill_points"] == 0
     # every row of the universe was checked after each kill, some reopened rows held values
     # newer than their last flush (eviction write-backs), and checkpoints were restored
     assert s["rows_checked"] == n * (300 + 120)

@@ -217,3 +217,102 @@ def test_close_under_load_is_clean_and_loses_nothing(tmp_path):
                 assert torch.allclose(s.lookup(table, ids), refs[table].lookup(table, ids), atol=1e-6), table
     finally:
         s.close()
+
+
+def _feature_batches(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(0, 5, (2 * 8,), generator=g)  # 2 features x 8 samples
+        na, nb = lengths.view(2, 8).sum(1).tolist()
+        vals = torch.cat(((torch.rand(na, generator=g) ** 2 * 400).long(),
+                          V_POOL[(torch.rand(nb, generator=g) ** 2 * 150).long()]))
+        out.append(hm.SparseFeatures(("u", "v"), vals, lengths))
+    return out
+
+
+def test_prefetch_thread_training_scrapes_flushes_checkpoints_and_lookups(tmp_path):
+    """The PrefetchPipeline's thread (depth 3) prefetches while the module trains, and a
+    scraper, a flusher, a checkpointer and a lookup thread share the store: no deadlock,
+    no error, every pin released, the rows equal a plain run's, every checkpoint restores."""
+    data = _feature_batches(120, seed=3)
+
+    def module(path):
+        return hm.CachedEmbeddingBagCollection(TABLES, hm.StoreConfig(path=path, device_rows=200, host_rows=400,
+                                                                      optimizer=hm.Adagrad(lr=0.1), seed=4))
+    plain = module(tmp_path / "plain")
+    for f in data:
+        plain(f).square().sum().backward()
+    m = module(tmp_path / "s")
+    store = m.store
+    stores = hm.MetricsRegistry()
+    stores.add(store, "pf")
+    server, _ = hm.serve_metrics(0, registry=CollectorRegistry(), stores=stores)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    stop = threading.Event()
+    cks = []
+
+    def scrape():
+        with urllib.request.urlopen(url, timeout=30) as r:
+            assert b"hiermem_prefetch" in r.read()
+
+    def checkpoint():
+        cks.append(store.checkpoint(tmp_path / "ck" / str(len(cks))))
+        time.sleep(0.02)
+
+    def read():
+        ids = torch.randint(0, 400, (4,))
+        assert store.lookup("u", ids).shape == (4, 8)
+
+    workers = [Worker(n, fn, stop) for n, fn in (("scrape", scrape), ("flush", store.flush),
+                                                  ("checkpoint", checkpoint), ("read", read))]
+    faulthandler.dump_traceback_later(WATCHDOG_S + 30, exit=False, file=sys.stderr)
+    errors, stats = [], {}
+
+    def train():
+        try:
+            with hm.PrefetchPipeline(data, m, depth=3, timeout=60) as pipe:
+                for f in pipe:
+                    m(f).square().sum().backward()
+                stats.update(pipe.stats())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    trainer = threading.Thread(target=train, name="train", daemon=True)
+    try:
+        for w in workers:
+            w.start()
+        trainer.start()
+        trainer.join(WATCHDOG_S)
+        stop.set()
+        for w in workers:
+            w.join(30)
+        alive = [t.name for t in [trainer, *workers] if t.is_alive()]
+        if alive:
+            faulthandler.dump_traceback(file=sys.stderr)
+        assert not alive, f"deadlock: {alive}"
+    finally:
+        stop.set()
+        faulthandler.cancel_dump_traceback_later()
+        server.shutdown()
+    assert not errors, errors
+    for w in workers:
+        assert w.error is None, f"{w.name}: {w.error!r}"
+    assert all(w.count >= 3 for w in workers), {w.name: w.count for w in workers}
+    assert stats["steps"] == len(data) and stats["prefetched_batches"] > 0 and stats["prefetch_hits"] > 0, stats
+    assert int(store._dev.pins.sum()) == 0 and int(store._host.pins.sum()) == 0  # every pin released
+    store.audit()
+
+    def rows(s):
+        return [torch.cat([s.lookup(t, pool[i:i + 100]) for i in range(0, pool.numel(), 100)])
+                for t, pool in (("u", torch.arange(400)), ("v", V_POOL))]
+    want = rows(plain.store)
+    torch.testing.assert_close(rows(store), want, rtol=1e-5, atol=1e-5)
+    plain.store.close()
+    store.close()
+    for i, ck in enumerate(cks[:: max(1, len(cks) // 4)]):  # a few of the concurrent checkpoints restore
+        r = hm.HierarchicalStore.restore(ck, tmp_path / f"restored{i}")
+        try:
+            r.audit()
+            assert all(bool(torch.isfinite(x).all()) for x in rows(r))
+        finally:
+            r.close()

@@ -49,6 +49,28 @@ class Worker(threading.Thread):
             self.error = e
 
 
+def run_watched(trainer: threading.Thread, workers: list, stop: threading.Event) -> None:
+    """Start the workers and the trainer; when the trainer is done (or the watchdog
+    deadline passes) stop the workers.  Any thread still alive then is a deadlock: every
+    stack is dumped and the test fails."""
+    faulthandler.dump_traceback_later(WATCHDOG_S + 30, exit=False, file=sys.stderr)
+    try:
+        for w in workers:
+            w.start()
+        trainer.start()
+        trainer.join(WATCHDOG_S)
+        stop.set()
+        for w in workers:
+            w.join(30)
+        alive = [t.name for t in [trainer, *workers] if t.is_alive()]
+        if alive:
+            faulthandler.dump_traceback(file=sys.stderr)
+        assert not alive, f"deadlock: {alive} still running after the watchdog deadline"
+    finally:
+        stop.set()
+        faulthandler.cancel_dump_traceback_later()
+
+
 def test_training_scrapes_flushes_and_lookups_share_a_store(tmp_path):
     opt = hm.Adagrad(lr=0.1)
     store = hm.HierarchicalStore(TABLES, hm.StoreConfig(path=tmp_path / "s", device_rows=16, host_rows=48,
@@ -81,7 +103,6 @@ def test_training_scrapes_flushes_and_lookups_share_a_store(tmp_path):
         assert store.stats()["_store"]["device_occupancy"] <= 16
 
     workers = [Worker("scrape", scrape, stop), Worker("flush", flush, stop), Worker("read", read, stop)]
-    faulthandler.dump_traceback_later(WATCHDOG_S + 30, exit=False, file=sys.stderr)
     trainer_error, steps = [], [0]
 
     def train():
@@ -103,22 +124,9 @@ def test_training_scrapes_flushes_and_lookups_share_a_store(tmp_path):
         except BaseException as e:  # noqa: BLE001
             trainer_error.append(e)
 
-    trainer = threading.Thread(target=train, name="train", daemon=True)
     try:
-        for w in workers:
-            w.start()
-        trainer.start()
-        trainer.join(WATCHDOG_S)
-        stop.set()
-        for w in workers:
-            w.join(30)
-        alive = [t.name for t in [trainer, *workers] if t.is_alive()]
-        if alive:
-            faulthandler.dump_traceback(file=sys.stderr)
-        assert not alive, f"deadlock: {alive} still running after the watchdog deadline"
+        run_watched(threading.Thread(target=train, name="train", daemon=True), workers, stop)
     finally:
-        stop.set()
-        faulthandler.cancel_dump_traceback_later()
         server.shutdown()
     assert not trainer_error, trainer_error
     for w in workers:
@@ -266,7 +274,6 @@ def test_prefetch_thread_training_scrapes_flushes_checkpoints_and_lookups(tmp_pa
 
     workers = [Worker(n, fn, stop) for n, fn in (("scrape", scrape), ("flush", store.flush),
                                                   ("checkpoint", checkpoint), ("read", read))]
-    faulthandler.dump_traceback_later(WATCHDOG_S + 30, exit=False, file=sys.stderr)
     errors, stats = [], {}
 
     def train():
@@ -277,22 +284,9 @@ def test_prefetch_thread_training_scrapes_flushes_checkpoints_and_lookups(tmp_pa
                 stats.update(pipe.stats())
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
-    trainer = threading.Thread(target=train, name="train", daemon=True)
     try:
-        for w in workers:
-            w.start()
-        trainer.start()
-        trainer.join(WATCHDOG_S)
-        stop.set()
-        for w in workers:
-            w.join(30)
-        alive = [t.name for t in [trainer, *workers] if t.is_alive()]
-        if alive:
-            faulthandler.dump_traceback(file=sys.stderr)
-        assert not alive, f"deadlock: {alive}"
+        run_watched(threading.Thread(target=train, name="train", daemon=True), workers, stop)
     finally:
-        stop.set()
-        faulthandler.cancel_dump_traceback_later()
         server.shutdown()
     assert not errors, errors
     for w in workers:

@@ -103,15 +103,20 @@ def parse_criteo_lines(lines: list[bytes], path: str = "<lines>") -> tuple[np.nd
     fields = b"\t".join(ln.rstrip(b"\r\n") for ln in lines).split(b"\t")
     if len(fields) != n * (1 + NUM_DENSE + NUM_CAT):
         raise CriteoFormatError(f"{path}: expected {1 + NUM_DENSE + NUM_CAT} tab-separated fields per line")
-    a = np.array(fields, dtype="S16").reshape(n, 1 + NUM_DENSE + NUM_CAT)
-    try:
-        labels = a[:, 0].astype(np.float32)
+    a = np.array(fields).reshape(n, 1 + NUM_DENSE + NUM_CAT)  # sized to the longest field: nothing cut
+    try:  # integers, as Criteo writes them ("nan", "1e5" or 30 digits are not)
+        labels = a[:, 0].astype(np.int64)
         num = a[:, 1:1 + NUM_DENSE]
-        dense = np.where(num == b"", b"0", num).astype(np.float64)
-    except ValueError as e:
-        raise CriteoFormatError(f"{path}: a label or integer field is not a number ({e})") from None
-    dense = np.log1p(np.maximum(dense, 0)).astype(np.float32)
+        dense = np.where(num == b"", b"0", num).astype(np.int64)
+    except (ValueError, OverflowError) as e:
+        raise CriteoFormatError(f"{path}: a label or integer field is not an integer ({e})") from None
+    if not bool(((labels == 0) | (labels == 1)).all()):
+        raise CriteoFormatError(f"{path}: a label is not 0 or 1")
+    labels = labels.astype(np.float32)
+    dense = np.log1p(np.maximum(dense, 0).astype(np.float64)).astype(np.float32)
     cat = a[:, 1 + NUM_DENSE:]
+    if a.dtype.itemsize > 8 and bool((np.char.str_len(cat) > 8).any()):
+        raise CriteoFormatError(f"{path}: a categorical field is not 8 hex digits")
     missing = cat == b""
     raw = np.frombuffer(np.where(missing, b"00000000", cat).astype("S8").tobytes(), dtype=np.uint8)
     nib = _HEX[raw].reshape(n, NUM_CAT, 8)
@@ -135,7 +140,11 @@ def criteo_tsv_batches(path, batch: int, start_batch: int = 0, cycle: bool = Tru
     buf: list[bytes] = []  # kept across passes: a file shorter than a batch wraps around
     while True:
         got_any = False
-        with open(path, "rb") as f:
+        try:
+            f = open(path, "rb")
+        except OSError as e:  # missing, a directory, unreadable
+            raise CriteoFormatError(f"{path}: cannot read the Criteo file: {e.strerror or e}") from e
+        with f:
             for line in f:
                 if not line.strip():
                     continue

@@ -425,3 +425,58 @@ def test_restore_refuses_an_open_store_and_a_foreign_directory(tmp_path):
             assert same(snapshot(r), want)
         finally:
             r.close()
+
+
+# -- a corrupt Criteo trace ---------------------------------------------------------------------
+_GOOD = "\t".join(["1"] + [str(i) for i in range(12)] + [""] + ["68fd1e64"] * 25 + [""]) + "\n"
+BAD_CRITEO = {
+    "binary": os.urandom(4096),
+    "empty": b"",
+    "blank-lines": b"\n\n\n",
+    "truncated-last-line": (_GOOD * 3 + _GOOD[:40]).encode(),
+    "extra-field": (_GOOD.rstrip("\n") + "\textra\n").encode() * 2,
+    "comma-separated": _GOOD.replace("\t", ",").encode() * 2,
+    "hash-not-hex": _GOOD.replace("68fd1e64", "zzzzzzzz", 1).encode() * 2,
+    "hash-too-long": _GOOD.replace("68fd1e64", "68fd1e6400", 1).encode() * 2,  # used to be cut to 8 digits
+    "hash-too-short": _GOOD.replace("68fd1e64", "68fd", 1).encode() * 2,
+    "label-text": ("yes" + _GOOD[1:]).encode() * 2,
+    "label-not-0-1": ("7" + _GOOD[1:]).encode() * 2,  # used to be accepted
+    "integer-nan": _GOOD.replace("\t3\t", "\tnan\t", 1).encode() * 2,  # used to give NaN features
+    "integer-inf": _GOOD.replace("\t3\t", "\tinf\t", 1).encode() * 2,
+    "integer-float": _GOOD.replace("\t3\t", "\t3.5\t", 1).encode() * 2,
+    "integer-30-digits": _GOOD.replace("\t3\t", "\t" + "9" * 30 + "\t", 1).encode() * 2,  # used to be cut
+    "utf8": ("é\t" * 39 + "é\n").encode(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_CRITEO))
+def test_corrupt_criteo_trace_is_a_typed_error_naming_the_file(tmp_path, kind):
+    from hiermem.data import CriteoFormatError, criteo_tsv_batches
+
+    f = tmp_path / f"{kind}.tsv"
+    f.write_bytes(BAD_CRITEO[kind])
+    with pytest.raises(CriteoFormatError) as ei:
+        list(criteo_tsv_batches(f, 2, cycle=False))
+    assert isinstance(ei.value, hm.HierMemError) and str(f) in str(ei.value)
+
+
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_unreadable_criteo_path_is_a_typed_error(tmp_path, what):
+    from hiermem.data import CriteoFormatError, criteo_tsv_batches
+
+    f = tmp_path / "x.tsv"
+    if what == "directory":
+        f.mkdir()
+    with pytest.raises(CriteoFormatError) as ei:
+        next(criteo_tsv_batches(f, 2))
+    assert str(f) in str(ei.value)
+
+
+def test_good_criteo_lines_parse_exactly():
+    from hiermem.data import parse_criteo_lines
+
+    labels, dense, cats = parse_criteo_lines([_GOOD.encode(), ("0" + _GOOD[1:]).replace("\t5\t", "\t-2\t").encode()])
+    assert labels.tolist() == [1.0, 0.0]
+    assert dense[0].tolist() == np.log1p(np.array(list(range(12)) + [0], dtype=np.float64)).astype(np.float32).tolist()
+    assert dense[1, 5] == 0.0  # negative integers clip at 0 before log1p
+    assert cats[0, :25].tolist() == [0x68FD1E64] * 25 and cats[0, 25] == -1

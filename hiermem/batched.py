@@ -295,8 +295,12 @@ class BatchedOps:
             self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
                                         per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
             if p.on_device is None:
-                src = self._dev.data if D == self._dev.width else self._dev.data[:, :D]
-                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
+                if D == self._dev.width:
+                    src, idx = self._dev.data, p.slot.index_select(0, b.inverse)
+                else:  # a column slice is not contiguous (embedding_bag would copy the whole
+                    # tier): gather the batch's distinct rows, then pool from them
+                    src, idx = self._dev.data[p.slot, :D], b.inverse
+                return F.embedding_bag(idx, src, offsets, mode=mode,
                                        per_sample_weights=None if per_sample_weights is None else scale)
             rows = self._gather(p, D).index_select(0, b.inverse)
             if scale is not None:

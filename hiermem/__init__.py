@@ -14,6 +14,8 @@ from .optim import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 from .stats import IO, Stat
 from .store import HierarchicalStore
 from .types import StoreConfig, TableSpec, Tier, default_device
+from .sharding import (PlannerError, PlannerTable, ShardedEmbeddingBagCollection, ShardingPlan, ShardingType,
+                       TierPlacement, Topology, launch_local)
 
 __version__ = "0.1.0"
 
@@ -23,4 +25,7 @@ __all__ = [
     "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD", "SparseFeatures",
     "Stat", "StoreClosedError", "StoreConfig", "StoreFormatError", "TableSpec", "Tier", "UnknownTableError",
     "default_device", "register_policy", "resolve_policy", "serve_metrics",
+    # sharding (issue 6)
+    "PlannerError", "PlannerTable", "ShardedEmbeddingBagCollection", "ShardingPlan", "ShardingType", "TierPlacement",
+    "Topology", "launch_local",
 ]

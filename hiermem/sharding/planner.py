@@ -134,8 +134,14 @@ def _best_per_rank(c: Candidates, rem: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return secs, idx
 
 
-def _place(o: Option, st: _State, topo: Topology) -> Optional[tuple[tuple, list[int], np.ndarray]]:
-    """The best ranks for option ``o``: (score, ranks, candidate index per rank) or None."""
+def _place(o: Option, st: _State, topo: Topology, rest: float) -> Optional[tuple[tuple, list[int], np.ndarray]]:
+    """The best ranks for option ``o``: (score, ranks, candidate index per rank) or None.
+
+    The score is the makespan bound ``max(slowest rank, (all work so far + this option +
+    the least work of the tables still to place) / W)``, then the added time: early on
+    the remaining work dominates and options that add the least total time win; a table
+    whose shard would stick out above the average is spread instead.
+    """
     secs, idx = _best_per_rank(o.cands, st.rem)
     new = st.load + secs
     cur = st.load.max()
@@ -154,7 +160,9 @@ def _place(o: Option, st: _State, topo: Topology) -> Optional[tuple[tuple, list[
         return None
     loads = st.load.copy()
     loads[ranks] += secs[ranks]
-    return (float(loads.max()), float(secs[ranks].sum())), ranks, idx
+    added = float(secs[ranks].sum())
+    bound = (float(st.load.sum()) + added + rest) / topo.world_size
+    return (max(float(loads.max()), bound), added), ranks, idx
 
 
 #: Slowest-rank times within this fraction count as a tie (then the least added time wins).
@@ -264,11 +272,15 @@ def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
         tw = [o for o in options[t.name]]
         return (-min(float(o.cands.seconds[0]) * o.nshards for o in tw), -t.num_rows * t.dim)
 
+    order = sorted(tabs, key=size)
+    least = [min(float(o.cands.seconds[0]) * o.nshards for o in options[t.name]) for t in order]
+    rest = float(np.sum(least))
     chosen: dict[str, TablePlan] = {}
-    for t in sorted(tabs, key=size):
+    for t, mine in zip(order, least):
+        rest -= mine
         best = None
         for o in options[t.name]:
-            got = _place(o, st, topology)
+            got = _place(o, st, topology, max(rest, 0.0))
             if got is not None and (best is None or _better(got[0], best[0][0])):
                 best = (got, o)
         if best is None:

@@ -573,7 +573,10 @@ class HierarchicalStore:
             self._memo = (ids, ids._version, b, p, self._epoch, ti)
             if p.on_device is None:
                 src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
-                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
+                idx = p.slot.index_select(0, b.inverse)
+                if not src.is_contiguous():  # embedding_bag would copy the whole tier: gather the rows first
+                    src, idx = src.index_select(0, idx), torch.arange(idx.numel(), device=self.device)
+                return F.embedding_bag(idx, src, offsets, mode=mode,
                                        per_sample_weights=None if per_sample_weights is None else scale)
             rows = self._rows(p, b, dim)
             if scale is not None:

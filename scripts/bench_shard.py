@@ -20,32 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hiermem as hm  # noqa: E402
-from hiermem.sharding import PlannerTable, ShardingType, estimate, launch_local, naive_plan, plan  # noqa: E402
-from hiermem.sharding.calibrate import Workload, calibrate, time_plans  # noqa: E402
-
-WORKLOAD = Workload((
-    PlannerTable("heavy", 200_000, 64, 40.0),
-    PlannerTable("wide", 50_000, 128, 4.0),
-    PlannerTable("mid", 100_000, 32, 10.0),
-    *(PlannerTable(f"small{i}", 5_000, 16, 2.0) for i in range(5)),
-), batch_size=256)
-
-
-def _worker(rank: int, world: int, out: str, steps: int, rounds: int) -> None:
-    opt = hm.RowWiseAdagrad(lr=0.01)
-    topo = calibrate(world, world, opt, out)
-    tabs, B = WORKLOAD.tables, WORKLOAD.batch_size
-    plans = {"planner": plan(tabs, topo, B, opt),
-             "all-TW": naive_plan(tabs, topo, B, ShardingType.TABLE_WISE, opt),
-             "all-RW": naive_plan(tabs, topo, B, ShardingType.ROW_WISE, opt)}
-    secs = time_plans(list(plans.values()), WORKLOAD, opt, steps, rounds, Path(out) / "stores")
-    if rank == 0:
-        res = {n: {"measured_ms": s * 1e3, "estimated_ms": max(estimate(p, tabs, topo, B, opt)),
-                   "shardings": {t.name: t.sharding.value for t in p.tables}}
-               for (n, p), s in zip(plans.items(), secs)}
-        Path(out, "result.json").write_text(json.dumps({"topology": topo.__dict__, "plans": res}))
-
+from hiermem.sharding import launch_local  # noqa: E402
+from hiermem.sharding.calibrate import bench_worker  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,11 +32,13 @@ def main() -> None:
     steps = a.steps or (5 if a.quick else 20)
     rounds = a.rounds or (5 if a.quick else 9)
     with tempfile.TemporaryDirectory(prefix="hiermem-bench-shard-") as d:
-        launch_local(2, _worker, d, steps, rounds)
+        launch_local(2, bench_worker, d, ("planner", "TW", "RW"), steps, rounds)
         r = json.loads(Path(d, "result.json").read_text())
     t = r["topology"]
     print(f"calibrated: store {t['device_bw'] / 1e9:.2f} GB/s, call overhead {t['call_overhead_s'] * 1e6:.0f} us, "
-          f"all-to-all {t['intra_host_bw'] / 1e9:.2f} GB/s, collective latency {t['collective_latency_s'] * 1e6:.0f} us")
+          f"all-to-all {t['intra_host_bw'] / 1e9:.2f} GB/s, collective latency {t['collective_latency_s'] * 1e6:.0f} us, "
+          f"ranks running at once {t['concurrency']:.2f} of 2")
+    r["plans"] = {{"TW": "all-TW", "RW": "all-RW"}.get(n, n): v for n, v in r["plans"].items()}
     for n, v in r["plans"].items():
         print(f"{n:<8} measured {v['measured_ms']:8.2f} ms  estimated {v['estimated_ms']:8.2f} ms  {v['shardings']}")
     best_naive = min(r["plans"][n]["measured_ms"] for n in ("all-TW", "all-RW"))

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-import hiermem as hm
-from hiermem.sharding import PlannerTable, Topology, plan
-from hiermem.sharding.config import format_plan, summary
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import hiermem as hm  # noqa: E402
+from hiermem.sharding import PlannerTable, Topology, plan  # noqa: E402
+from hiermem.sharding.config import format_plan, summary  # noqa: E402
 
 
 def tables(n: int, params: float, seed: int = 0) -> list[PlannerTable]:

@@ -146,9 +146,21 @@ def shard_shape(table: PlannerTable, sharding: ShardingType, topo: Topology, bat
 
 
 def distinct_rows(table: PlannerTable, shape: ShardShape) -> float:
-    """Expected distinct rows among a step's ids (uniform bound, capped by the rows)."""
-    n, ids = shape.rows, shape.ids
-    return min(float(n), ids) if ids < 0.01 * n else n * (1.0 - math.exp(-ids / n))
+    """Expected distinct rows among a step's ids under the table's Zipf(``alpha``) skew.
+
+    ``sum_i 1 - exp(-ids * p_i)`` over the shard's rows, summed over geometric rank bins
+    (a modulo row split gives every part the same skew).
+    """
+    import numpy as np
+
+    n, ids, a = shape.rows, shape.ids, table.zipf_alpha
+    if ids <= 0:
+        return 0.0
+    edges = np.unique(np.geomspace(1, n + 1, num=min(n + 1, 96)).astype(np.int64))
+    lo, hi = edges[:-1], edges[1:]
+    mid = np.sqrt(lo * np.maximum(hi - 1, lo)).astype(float)
+    p = mid ** -a / _harmonic(n, a)
+    return float(np.minimum(((hi - lo) * (1.0 - np.exp(-ids * p))).sum(), min(n, ids)))
 
 
 def storage(shape: ShardShape, choice: TierChoice, opt: OptimizerCost) -> Storage:
@@ -189,9 +201,12 @@ def perf(table: PlannerTable, sharding: ShardingType, shape: ShardShape, choice:
     if sharding is ShardingType.DATA_PARALLEL:
         ub = distinct_rows(table, shape)
         comm = (W - 1) * ub * (shape.dim * 4.0 + 8.0) / bw + 4 * topo.collective_latency_s
-        compute += (W - 1) * ub * (2.0 * rec) / read_bw  # every rank applies every rank's rows
+        # per-row gradients, then every rank applies every rank's rows (duplicates summed)
+        compute += (2.0 * shape.ids * row_bytes + W * ub * (2.0 * rec + row_bytes)) / read_bw + topo.call_overhead_s
     else:
         comm = foreign * (shape.ids * 8.0 + 2.0 * shape.bags * row_bytes) / bw
         if sharding is ShardingType.COLUMN_WISE and opt.row_stat:
             comm += U * 4.0 / bw + topo.collective_latency_s  # the row statistic's all-reduce
+            # per-row gradients summed outside the store (ids * d, read and written), one more call
+            compute += (2.0 * shape.ids * row_bytes + U * rec) / read_bw + topo.call_overhead_s
     return Perf(compute, comm, prefetch)

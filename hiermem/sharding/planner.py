@@ -161,12 +161,13 @@ def _place(o: Option, st: _State, topo: Topology, rest: float) -> Optional[tuple
     loads = st.load.copy()
     loads[ranks] += secs[ranks]
     added = float(secs[ranks].sum())
-    bound = (float(st.load.sum()) + added + rest) / topo.world_size
+    bound = (float(st.load.sum()) + added + rest) / topo.parallel_ranks
     return (max(float(loads.max()), bound), added), ranks, idx
 
 
-#: Slowest-rank times within this fraction count as a tie (then the least added time wins).
-TIE = 1e-3
+#: Makespan bounds within this fraction count as a tie (then the least added time wins:
+#: spreading a table must buy a clear gain, since its extra shards cost more than modelled).
+TIE = 0.05
 
 
 def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -252,7 +253,7 @@ def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
         raise PlannerError(f"batch_size must be a positive int, got {batch_size!r}", PlannerErrorKind.BAD_INPUT)
     opt = OptimizerCost.of(optimizer if optimizer is not None else SGD())
     W = topology.world_size
-    base = STEP_COLLECTIVES * topology.collective_latency_s
+    base = STEP_COLLECTIVES * topology.collective_latency_s + topology.step_overhead_s
     st = _State(np.full(W, base), np.tile([topology.device_bytes, topology.host_bytes, topology.ssd_bytes], (W, 1))
                 .astype(float))
 
@@ -293,7 +294,15 @@ def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
         chosen[t.name] = tp
     return ShardingPlan(W, topology.ranks_per_host, tuple(chosen[t.name] for t in tabs),
                         tuple(float(x) * 1e3 for x in st.load),
-                        {"batch_size": batch_size, "optimizer": (optimizer or SGD()).name})
+                        {"batch_size": batch_size, "optimizer": (optimizer or SGD()).name,
+                         "step_ms": step_ms(st.load * 1e3, topology)})
+
+
+def step_ms(rank_ms, topology: Topology) -> float:
+    """A step's estimate from per-rank ms: the slowest rank, or the total work over the
+    ranks that truly run at once (:attr:`Topology.parallel_ranks`) when that is more."""
+    rank_ms = np.asarray(rank_ms, dtype=float)
+    return float(max(rank_ms.max(), rank_ms.sum() / topology.parallel_ranks))
 
 
 def naive_plan(tables: Sequence, topology: Topology, batch_size: int, sharding: ShardingType,
@@ -308,7 +317,7 @@ def estimate(p: ShardingPlan, tables: Sequence, topology: Topology, batch_size: 
 
     opt = OptimizerCost.of(optimizer if optimizer is not None else SGD())
     tabs = {t.name: t for t in (_as_table(x) for x in tables)}
-    load = np.full(topology.world_size, STEP_COLLECTIVES * topology.collective_latency_s)
+    load = np.full(topology.world_size, STEP_COLLECTIVES * topology.collective_latency_s + topology.step_overhead_s)
     for tp in p.tables:
         t = tabs[tp.name]
         for s in tp.shards:
@@ -319,4 +328,4 @@ def estimate(p: ShardingPlan, tables: Sequence, topology: Topology, batch_size: 
 
 
 __all__ = ["ALL_SHARDINGS", "Candidates", "Option", "distinct_rows", "enumerate_options", "estimate", "naive_plan",
-           "plan", "tier_candidates"]
+           "plan", "step_ms", "tier_candidates"]

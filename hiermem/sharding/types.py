@@ -71,8 +71,12 @@ class Topology:
 
     Defaults describe an 8-GPU host of the paper's class (80 GB HBM, 1 TB host memory
     and 2 TB SSD shared by 8 ranks, NVLink within a host, 100 Gb/s per rank across).
-    ``call_overhead_s`` is the fixed cost of one shard lookup+update call (kernel
-    launches, Python), ``collective_latency_s`` that of one collective.
+    ``call_overhead_s`` is the fixed cost of one shard lookup or update call (kernel
+    launches, Python), ``collective_latency_s`` that of one collective, and
+    ``step_overhead_s`` the fixed cost of a step beyond its collectives.
+    ``concurrency``: how many ranks truly run at once (0: all); below ``world_size`` when
+    local ranks share fewer free CPU cores, so a step costs at least the total work over
+    ``concurrency`` (``calibrate`` measures it).
     """
 
     world_size: int
@@ -88,6 +92,13 @@ class Topology:
     inter_host_bw: float = 12.5e9
     call_overhead_s: float = 20e-6
     collective_latency_s: float = 30e-6
+    step_overhead_s: float = 0.0
+    concurrency: float = 0.0
+
+    @property
+    def parallel_ranks(self) -> float:
+        """Ranks that really compute at once (``concurrency``; 0 means all of them)."""
+        return min(float(self.world_size), self.concurrency) if self.concurrency > 0 else float(self.world_size)
 
     def __post_init__(self) -> None:
         for n in ("world_size", "ranks_per_host"):
@@ -100,7 +111,8 @@ class Topology:
         if self.ranks_per_host > self.world_size:
             object.__setattr__(self, "ranks_per_host", self.world_size)
         _positive(self, ("device_bw", "host_bw", "device_host_bw", "ssd_bw", "intra_host_bw", "inter_host_bw"))
-        _positive(self, ("device_bytes", "host_bytes", "ssd_bytes", "call_overhead_s", "collective_latency_s"),
+        _positive(self, ("device_bytes", "host_bytes", "ssd_bytes", "call_overhead_s", "collective_latency_s",
+                         "step_overhead_s", "concurrency"),
                   allow_zero=True)
 
     @property
@@ -250,8 +262,9 @@ class ShardingPlan:
 
     @property
     def estimated_ms(self) -> float:
-        """The slowest rank's estimated step time."""
-        return max(self.rank_ms) if self.rank_ms else 0.0
+        """The estimated step time: the slowest rank's, or the total work over the ranks
+        that truly run at once when that is more (``meta["step_ms"]``)."""
+        return float(self.meta.get("step_ms", max(self.rank_ms) if self.rank_ms else 0.0))
 
     def rank_bytes(self) -> list[dict[str, float]]:
         """Estimated bytes per tier on every rank."""

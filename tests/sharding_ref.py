@@ -159,3 +159,47 @@ def worker(rank: int, world: int, base: str, steps: int) -> None:
     plan_info = {n: {t.name: (t.sharding.value, [s.rank for s in t.shards], [s.tier.value for s in t.shards])
                      for t in p.tables} for n, p in plans(world, opt)}
     (base / f"result-{rank}.json").write_text(json.dumps({"results": results, "plans": plan_info}))
+
+
+def bad_input_worker(rank: int, world: int, base: str) -> None:
+    """Bad input is refused with typed errors on every rank, and changes nothing; then the
+    benchmark machinery (calibrate + time 3 plans) runs end to end."""
+    import pytest
+
+    from hiermem.sharding.calibrate import BENCH_WORKLOAD, Workload, bench_worker
+
+    base = Path(base)
+    opt = hm.RowWiseAdagrad(lr=0.1)
+    p = dict(plans(world, opt))["planner"]
+    cfg = hm.StoreConfig(path=base / "bad", optimizer=opt, seed=3)
+    with pytest.raises(hm.InvalidTypeError):
+        hm.ShardedEmbeddingBagCollection(TABLES, "not a plan", cfg)
+    with pytest.raises(hm.InvalidArgumentError):
+        hm.ShardedEmbeddingBagCollection(TABLES[:2], p, cfg)  # plan names other tables
+    with pytest.raises(hm.InvalidArgumentError):
+        hm.ShardedEmbeddingBagCollection(TABLES, p, cfg, mode="max")
+    wrong = replace(p, world_size=world + 1)
+    with pytest.raises(hm.InvalidArgumentError):
+        hm.ShardedEmbeddingBagCollection(TABLES, wrong, cfg)
+    m = hm.ShardedEmbeddingBagCollection(TABLES, p, cfg)
+    probe = torch.arange(0, 50)
+    before = m.rows("t3", probe)
+    f = batch(0, rank, world, False)
+    with pytest.raises(hm.InvalidArgumentError):
+        m(hm.SparseFeatures(("t0",), torch.tensor([1]), torch.tensor([1])))  # keys differ (local check)
+    # rank 0 sends an id outside t3's rows: every rank raises, nothing is looked up or updated
+    if rank == 0:
+        bad_vals = f.values.clone()
+        lengths = f.lengths.clone()
+        lengths[-1] += 1  # one more id in t3's last bag (t3 is the last key; 50 rows)
+        bad_vals = torch.cat((f.values, torch.tensor([10_000])))
+        f = hm.SparseFeatures(f.keys, bad_vals, lengths)
+    with pytest.raises(hm.InvalidIdError):
+        m(f)
+    after = m.rows("t3", probe)
+    assert torch.equal(before, after)
+    out = m(batch(1, rank, world, False))  # still works afterwards
+    out.sum().backward()
+    m.close()
+    tiny = Workload(BENCH_WORKLOAD.tables[:3], batch_size=16)
+    bench_worker(rank, world, str(base / "bench"), ("planner", "TW", "RW"), 1, 1, tiny)

@@ -65,11 +65,12 @@ def test_plans_respect_every_budget(dev_gb, host_gb):
 def test_table_larger_than_any_device_is_sharded_or_cached():
     big = PlannerTable("huge", 100_000_000, 128, 10.0)  # 51.6 GB with its row state
     topo = Topology(8, 4, device_bytes=8e9, host_bytes=64e9, ssd_bytes=1e12)
-    p = plan([big, PlannerTable("small", 1000, 16)], topo, 256, hm.RowWiseAdagrad())
+    tabs = [big, PlannerTable("small", 1000, 16)]
+    p = plan(tabs, topo, 256, hm.RowWiseAdagrad())
     tp = p.table("huge")
     assert tp.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.COLUMN_WISE) \
         or any(s.tier is not TierPlacement.DEVICE for s in tp.shards)
-    _check_budgets(p, topo, [big])
+    _check_budgets(p, topo, tabs)
     # table-wise only: it must be cached (device cache over host, or SSD), not refused
     tw = naive_plan([big], topo, 256, ShardingType.TABLE_WISE, hm.RowWiseAdagrad())
     s = tw.table("huge").shards[0]

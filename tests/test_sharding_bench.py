@@ -31,3 +31,16 @@ def test_compare_orders():
     assert c["pairs_compared"] == 2 and c["agree"]  # b-c are within 10%: not compared
     plans["a"]["measured_ms"] = 30.0
     assert not compare(plans, margin=0.10)["agree"]
+
+
+def test_torchrun_command_from_the_readme(tmp_path):
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(root / "scripts" / "train_sharded.py"), "--steps", "3", "--path", str(tmp_path)],
+                       capture_output=True, text=True, timeout=180, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["world_size"] == 2 and last["steps"] == 3 and last["last_loss"] < last["first_loss"]
+    assert (tmp_path / "rank0").is_dir() and (tmp_path / "rank1").is_dir()

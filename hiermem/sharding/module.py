@@ -8,6 +8,8 @@ table's (the initialiser is the logical table's, sliced to the shard's columns).
 
 Forward (every rank, the same tables every step):
 
+Collectives run on gloo (CPU tensors); NCCL is refused for now.
+
 1. input distribution: one ``all_to_all`` of a 4-int header per rank pair (sizes,
    batch size, weighted, input valid), then one ``all_to_all`` of every shard's
    ``[bag lengths | ids | weights]`` to the shard's rank;
@@ -133,6 +135,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if mode not in _MODES:
             raise InvalidArgumentError(f"mode must be one of {_MODES}, got {mode!r}")
         self.group = process_group
+        if dist.get_backend(process_group) != "gloo":  # collectives here move CPU tensors
+            raise InvalidArgumentError(f"backend {dist.get_backend(process_group)!r}: only gloo is supported yet "
+                                       "(NCCL needs the exchange buffers on the GPU)")
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         if plan.world_size != self.world:
             raise InvalidArgumentError(f"plan is for world size {plan.world_size}, the group has {self.world}")

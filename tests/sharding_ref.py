@@ -31,7 +31,7 @@ SSD_CACHE = 40  # device and host rows per shard: >= a batch's distinct rows (4 
 
 def planner_tables():
     rows = {"t0": 1000, "t1": 300, "big": 4000, "t3": 50}
-    pf = {"t0": 2.0, "t1": 1.5, "big": 3.0, "t3": 1.0}
+    pf = {"t0": 30.0, "t1": 1.5, "big": 3.0, "t3": 1.0}  # t0 dominates: spread, not table-wise
     return [hm.PlannerTable(t.name, rows[t.name], t.dim, pf[t.name]) for t in TABLES]
 
 
@@ -185,8 +185,18 @@ def bad_input_worker(rank: int, world: int, base: str) -> None:
     probe = torch.arange(0, 50)
     before = m.rows("t3", probe)
     f = batch(0, rank, world, False)
+    # one rank's features lack keys: every rank raises (the others learn it from the header)
+    good = batch(5, rank, world, False)
     with pytest.raises(hm.InvalidArgumentError):
-        m(hm.SparseFeatures(("t0",), torch.tensor([1]), torch.tensor([1])))  # keys differ (local check)
+        m(hm.SparseFeatures(("t0",), torch.tensor([1]), torch.tensor([1])) if rank == 1 else good)
+    # one rank's gradient holds NaN: every rank raises in backward, no shard changes
+    out = m(good)
+    g = torch.ones_like(out)
+    if rank == 0:
+        g[0, 0] = float("nan")
+    with pytest.raises(hm.NonFiniteGradientError):
+        out.backward(g)
+    assert torch.equal(before, m.rows("t3", probe))
     # rank 0 sends an id outside t3's rows: every rank raises, nothing is looked up or updated
     if rank == 0:
         bad_vals = f.values.clone()

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import InvalidArgumentError, InvalidIdError, InvalidTypeError
+from ..errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, NonFiniteGradientError
 from ..features import SparseFeatures
 from ..store import HierarchicalStore, initial_records
 from ..types import StoreConfig, TableSpec
@@ -49,6 +49,8 @@ from .dist import all_gather_varlen, all_to_all
 from .types import ShardingPlan, ShardingType
 
 _ROWWISE = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+#: Input errors a rank reports to the others in the header (code = index + 1).
+_ERRORS = (InvalidIdError, InvalidArgumentError, InvalidTypeError, NonFiniteGradientError)
 _MODES = ("sum", "mean")
 
 
@@ -290,16 +292,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return parts
 
     def _forward(self, features: SparseFeatures, keep: bool) -> tuple[torch.Tensor, Optional[_Ctx]]:
-        bags, B, weighted, err = self._inputs(features)
-        parts = self._send_ids(bags, B, weighted)
+        try:  # a rank with bad input still joins the header exchange, so every rank raises
+            bags, B, weighted, err = self._inputs(features)
+        except (InvalidArgumentError, InvalidTypeError) as e:
+            bags, B, weighted, err = None, 0, False, e
+        parts = self._send_ids(bags, B, weighted) if bags is not None else [[] for _ in range(self.world)]
         bufs = [torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in parts]
-        hdr = torch.tensor([[b.numel(), B, int(weighted), int(err is None)] for b in bufs], dtype=torch.int64)
+        code = 0 if err is None else _ERRORS.index(type(err)) + 1
+        hdr = torch.tensor([[b.numel(), B, int(weighted), code] for b in bufs], dtype=torch.int64)
         rh = all_to_all(hdr.view(-1), [4] * self.world, [4] * self.world, self.group).view(self.world, 4)
         if err is not None:
             raise err
-        if not bool(rh[:, 3].all()):
-            bad = (rh[:, 3] == 0).nonzero().squeeze(1).tolist()
-            raise InvalidIdError(f"ranks {bad} sent invalid ids this step; nothing was looked up")
+        if bool(rh[:, 3].any()):
+            bad = rh[:, 3].nonzero().squeeze(1).tolist()
+            raise _ERRORS[int(rh[bad[0], 3]) - 1](f"ranks {bad} had invalid input this step; nothing was looked up")
         recv = all_to_all(torch.cat(bufs), [b.numel() for b in bufs], rh[:, 0].tolist(), self.group)
         src_B = rh[:, 1].tolist()
         local = self._lookup_local(recv, src_B, rh[:, 2].tolist())
@@ -390,6 +396,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- backward -------------------------------------------------------------------
     def _backward(self, ctx: _Ctx, grad: torch.Tensor) -> None:
         grad = grad.detach().to(torch.float32).contiguous()
+        ok = torch.tensor([int(bool(torch.isfinite(grad).all()))], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # refuse NaN/inf on every rank
+        if not int(ok):
+            raise NonFiniteGradientError("a rank's gradient holds NaN or inf; no shard was updated")
         per_table = torch.split(grad, list(self.dims), dim=1)
         send = []
         for r in range(self.world):

@@ -17,6 +17,8 @@ from .batched import Ticket
 from .modules import CachedEmbeddingBagCollection
 from .pipeline import PrefetchPipeline
 from .types import StoreConfig, TableSpec, Tier, default_device
+from .sharding import (PlannerError, PlannerTable, ShardedEmbeddingBagCollection, ShardingPlan, ShardingType,
+                       TierPlacement, Topology, launch_local)
 
 __version__ = "0.1.0"
 
@@ -26,4 +28,7 @@ __all__ = [
     "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD", "SparseFeatures",
     "Stat", "StoreClosedError", "StoreConfig", "StoreFormatError", "TableSpec", "Tier", "UnknownTableError",
     "default_device", "register_policy", "resolve_policy", "serve_metrics",
+    # sharding (issue 6)
+    "PlannerError", "PlannerTable", "ShardedEmbeddingBagCollection", "ShardingPlan", "ShardingType", "TierPlacement",
+    "Topology", "launch_local",
 ]

@@ -299,9 +299,14 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 nbytes += int(f.sum()) * w * 4
             new = m[~f]
             if new.numel():
-                rec[new, :w] = initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, k[new])
+                rec[new, :w] = self._initial_records(ti, k[new])
         self.counters.add_io(IO.BYTES_DISK_TO_HOST, nbytes)
         return rec, found
+
+    def _initial_records(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
+        """Records ``[n, widths[ti]]`` of rows of table ``ti`` never written (a hook: a shard
+        store derives them from its logical table, see :mod:`hiermem.sharding`)."""
+        return initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, ids)
 
     def _write_down(self, rows: Rows, meta: bool = True, sync: bool = False) -> int:
         """Write rows (cpu) to LMDB in one transaction (with the metadata)."""
@@ -557,7 +562,10 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             self._memo = (ids, ids._version, b, p, self._epoch, ti)
             if p.on_device is None:
                 src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
-                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
+                idx = p.slot.index_select(0, b.inverse)
+                if not src.is_contiguous():  # embedding_bag would copy the whole tier: gather the rows first
+                    src, idx = src.index_select(0, idx), torch.arange(idx.numel(), device=self.device)
+                return F.embedding_bag(idx, src, offsets, mode=mode,
                                        per_sample_weights=None if per_sample_weights is None else scale)
             rows = self._rows(p, b, dim)
             if scale is not None:
@@ -633,6 +641,52 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             tier.dirty[slots] = True
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+
+    @_timed("update_seconds")
+    def update_with_row_stat(self, table: str, ids, grads: torch.Tensor, row_stat: torch.Tensor) -> None:
+        """:meth:`update` of distinct rows whose optimizer statistic comes from outside.
+
+        For a column shard of a table under an optimizer with a per-row statistic
+        (:meth:`Optimizer.row_statistic`, e.g. row-wise Adagrad's ``mean(g*g)`` over the
+        *full* row): ``row_stat [n]`` is that statistic reduced over every column shard,
+        and ``grads [n, dim]`` this shard's columns of the summed gradients.
+
+        Raises:
+            InvalidArgumentError: ids repeat, ``row_stat`` has the wrong shape, or the
+                optimizer has no per-row statistic.
+            NonFiniteGradientError: NaN/inf in ``grads`` or ``row_stat``; nothing changed.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            grads = self._values(ti, ids.numel(), grads, "grads")
+            if not isinstance(row_stat, torch.Tensor) or not row_stat.is_floating_point() \
+                    or tuple(row_stat.shape) != (ids.numel(),):
+                raise InvalidArgumentError(f"row_stat must be a float tensor of shape ({ids.numel()},)")
+            row_stat = row_stat.detach().to(self.device, torch.float32)
+            if not bool(torch.isfinite(row_stat).all()):
+                raise NonFiniteGradientError(f"row_stat of table {table} contains NaN or inf; nothing changed")
+            if self.optimizer.row_statistic(grads[:0], 1) is None:
+                raise InvalidArgumentError(f"optimizer {self.optimizer.name} has no per-row statistic")
+            if ids.numel() == 0:
+                return
+            b = self._batch(ti, ids)
+            if b.k.numel() != ids.numel():
+                raise InvalidArgumentError("update_with_row_stat needs distinct ids")
+            p = self._place(b, account=False)
+            self._steps[ti] += 1
+            dim = self.tables[ti].dim
+            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel(), device=self.device))
+            g, st = grads.index_select(0, order), row_stat.index_select(0, order)  # in b.k order
+            for tier, slots, idx in self._parts(p):
+                gi = g if idx is None else g.index_select(0, idx).to(tier.device)
+                si = st if idx is None else st.index_select(0, idx).to(tier.device)
+                self.optimizer.apply_slots_with_row_stat(tier.data, slots, gi, dim, self.widths[ti],
+                                                         self._steps[ti], si)
+                tier.dirty[slots] = True
+            self.counters.add_io(IO.UPDATES, 1)
+            self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
     def write(self, table: str, ids, values: torch.Tensor) -> None:
         """Set the weights of rows (e.g. to import an ``nn.EmbeddingBag``).

@@ -642,7 +642,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
-    @_timed("update_seconds")
+    @timed("update_seconds")
     def update_with_row_stat(self, table: str, ids, grads: torch.Tensor, row_stat: torch.Tensor) -> None:
         """:meth:`update` of distinct rows whose optimizer statistic comes from outside.
 

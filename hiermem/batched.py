@@ -311,7 +311,7 @@ class BatchedOps:
     @timed("update_seconds")
     def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
                     mode: str = "sum", per_sample_weights: torch.Tensor | None = None,
-                    ticket: Ticket | None = None) -> None:
+                    ticket: Ticket | None = None, stepped: list[int] | None = None) -> None:
         """The backward of :meth:`lookup_bags` fused with the optimizer step.
 
         ``grad [len(offsets), max_dim]`` is the gradient of the pooled bags (columns past
@@ -320,6 +320,9 @@ class BatchedOps:
         the same (unchanged) tensors as the preceding :meth:`lookup_bags`, it reuses that
         lookup's validation, dedup and placement (the placement even after other batches
         moved rows, when the batch's prefetch ticket pins all its rows on the device).
+        ``stepped``: table indices that take an optimizer step even without ids in this
+        batch (the collection passes all its tables: Adam's step count then follows
+        ``torch.optim.SparseAdam`` on an ``nn.EmbeddingBag`` that saw an empty batch).
         """
         with self._lock:
             self._check_open()
@@ -337,6 +340,8 @@ class BatchedOps:
             if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or tuple(grad.shape) != (nbags, D):
                 raise InvalidArgumentError(f"grad must be a float tensor of shape {(nbags, D)}")
             if bag.numel() == 0:
+                for ti in stepped or ():
+                    self._steps[ti] += 1
                 return
             g_ids = grad.detach().to(self.device, torch.float32).index_select(0, bag)
             if scale is not None:
@@ -344,9 +349,9 @@ class BatchedOps:
             if b is None:
                 b = self._batch_multi(t, k)
                 p = self._locate(b) if ticket is not None and ticket.pinned else None
-            self._update_multi(b, p, g_ids)
+            self._update_multi(b, p, g_ids, stepped)
 
-    def _update_multi(self, b, p, g_ids) -> None:
+    def _update_multi(self, b, p, g_ids, stepped=None) -> None:
         g = torch.zeros((b.k.numel(), g_ids.shape[1]), dtype=torch.float32, device=self.device)
         g.index_add_(0, b.inverse, g_ids)
         if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
@@ -362,6 +367,8 @@ class BatchedOps:
         # one optimizer call per group of tables with the same dim, width and step count
         groups: dict[tuple, list[int]] = defaultdict(list)
         present = torch.unique(b.t).tolist()
+        for ti in set(stepped or ()) - set(present):  # in the batch without ids: a step, as SparseAdam's
+            self._steps[ti] += 1
         for ti in present:
             self._steps[ti] += 1
             groups[(self.tables[ti].dim, self.widths[ti], self._steps[ti])].append(ti)

@@ -301,3 +301,33 @@ def test_checkpoint_survives_sigkill_and_resume_reproduces_losses(tmp_path):
     assert losses.numel() == 30
     torch.testing.assert_close(losses[step:], ref_losses[step:], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses[:step], ref_losses[:step], rtol=0, atol=0)
+
+
+def test_adam_through_the_module_equals_sparse_adam_with_empty_tables(tmp_path):
+    """A table with no ids in a batch still takes a step (as SparseAdam's state['step'])."""
+    torch.manual_seed(0)
+    bags = {"a": nn.EmbeddingBag(40, 4, mode="sum", sparse=True), "b": nn.EmbeddingBag(40, 4, mode="sum", sparse=True)}
+    ref = {k: nn.EmbeddingBag(40, 4, mode="sum", sparse=True) for k in bags}
+    for k in bags:
+        ref[k].weight.data.copy_(bags[k].weight.data)
+    m = hm.CachedEmbeddingBagCollection.from_embedding_bags(
+        bags, hm.StoreConfig(path=tmp_path / "s", device_rows=6, host_rows=60, optimizer=hm.Adam(lr=0.05)))
+    opt = torch.optim.SparseAdam([r.weight for r in ref.values()], lr=0.05)
+    g = torch.Generator().manual_seed(3)
+    for step in range(15):
+        nb = 0 if step % 3 == 1 else 2  # table b has no ids every third step
+        la = torch.randint(1, 3, (4,), generator=g)
+        lb = torch.randint(1, 3, (4,), generator=g) * (nb > 0)
+        va = torch.randint(0, 40, (int(la.sum()),), generator=g)
+        vb = torch.randint(0, 40, (int(lb.sum()),), generator=g)
+        f = hm.SparseFeatures(("a", "b"), torch.cat((va, vb)), torch.cat((la, lb)))
+        target = torch.randn(4, 8, generator=g)
+        ((m(f) - target) ** 2).sum().backward()
+        d = f.to_dict()
+        out = torch.cat([ref[k](d[k][0], d[k][1]) for k in ("a", "b")], 1)
+        opt.zero_grad()
+        ((out - target) ** 2).sum().backward()
+        opt.step()
+    for k in bags:
+        torch.testing.assert_close(m.store.lookup(k, torch.arange(40)), ref[k].weight.detach(), rtol=1e-5, atol=1e-6)
+    m.store.close()

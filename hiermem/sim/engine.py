@@ -167,21 +167,35 @@ class SimResult:
         }
 
 
+def _rank(ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each id's rank among the distinct ids (as ``np.unique``'s inverse), and their number."""
+    hi = int(ids.max())
+    if hi <= 4 * ids.size + (1 << 16):  # dense enough: a presence table, O(n + max)
+        present = np.zeros(hi + 1, dtype=np.int64)
+        present[ids] = 1
+        rank = np.cumsum(present) - 1
+        return rank[ids], int(rank[-1]) + 1
+    u, inv = np.unique(ids, return_inverse=True)
+    return inv.reshape(-1), u.size
+
+
 class _Batches:
     """A trace with dense row numbers: per batch its distinct rows, counts, last positions."""
 
     def __init__(self, trace: Trace):
-        tab = trace.table_of_ids()
+        single = len(trace.tables) == 1
+        tab = None if single else trace.table_of_ids()
         dense = np.empty(trace.accesses, dtype=np.int64)
         tables_of_rows, base = [], 0
         for t in range(len(trace.tables)):
-            m = tab == t
-            if not m.any():
+            m = slice(None) if single else tab == t
+            ids = trace.ids[m]
+            if not ids.size:
                 continue
-            u, inv = np.unique(trace.ids[m], return_inverse=True)  # dense order = (table, id) order
-            dense[m] = inv.reshape(-1) + base
-            tables_of_rows.append(np.full(u.size, t, dtype=np.int64))
-            base += u.size
+            inv, nu = _rank(ids)  # dense order = (table, id) order
+            dense[m] = inv + base
+            tables_of_rows.append(np.full(nu, t, dtype=np.int64))
+            base += nu
         self.num_rows = base
         self.table_of_row = torch.from_numpy(np.concatenate(tables_of_rows) if tables_of_rows
                                              else np.zeros(0, dtype=np.int64))
@@ -434,10 +448,15 @@ class Simulator:
                 device and host tiers hold, as the store would raise.
         """
         t0 = time.perf_counter()
-        if self.config.prefetch_depth:
-            self._run_prefetch(self.config.prefetch_depth)
-        else:
-            self._run_plain()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # per-batch ops are small: intra-op threads only add sync waits
+        try:
+            if self.config.prefetch_depth:
+                self._run_prefetch(self.config.prefetch_depth)
+            else:
+                self._run_plain()
+        finally:
+            torch.set_num_threads(threads)
         secs = time.perf_counter() - t0
         io = self.counters.io
         step = self.config.cost.estimate(

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="print a store's layout and counters")
     s.add_argument("path")
     s.set_defaults(fn=_stats)
+    from .sim.cli import add_commands  # trace import, sim, tune (offline policy tuning)
+
+    add_commands(sub)
     return p
 
 

@@ -78,7 +78,8 @@ class SimConfig:
 
     Args:
         device_rows: slots of the device tier.
-        host_rows: slots of the host tier.
+        host_rows: slots of the host tier (0: none, device victims go to disk; the
+            store itself needs at least 1).
         policy: a policy name, a policy TOML file, or a :class:`PolicySpec`.
         prefetch_depth: batches prefetched (and pinned) ahead; 0 = plain lookups.
         updates: rows become dirty after each batch (None: the trace's own flag).
@@ -87,7 +88,7 @@ class SimConfig:
     """
 
     device_rows: int
-    host_rows: int = 1
+    host_rows: int = 0
     policy: Union[str, os.PathLike, PolicySpec] = "lru"
     prefetch_depth: int = 0
     updates: Optional[bool] = None
@@ -99,8 +100,9 @@ class SimConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise InvalidTypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v <= 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {v}")
+            lo = 0 if name == "host_rows" else 1
+            if v < lo:
+                raise InvalidArgumentError(f"{name} must be >= {lo}, got {v}")
         k = self.prefetch_depth
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise InvalidArgumentError(f"prefetch_depth must be an int >= 0, got {k!r}")
@@ -179,26 +181,32 @@ def _rank(ids: np.ndarray) -> tuple[np.ndarray, int]:
     return inv.reshape(-1), u.size
 
 
+def dense_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """Each access's row as a dense number over ``(table, id)`` (in that sorted order),
+    and the table of each dense row."""
+    single = len(trace.tables) == 1
+    tab = None if single else trace.table_of_ids()
+    dense = np.empty(trace.accesses, dtype=np.int64)
+    tables_of_rows, base = [], 0
+    for t in range(len(trace.tables)):
+        m = slice(None) if single else tab == t
+        ids = trace.ids[m]
+        if not ids.size:
+            continue
+        inv, nu = _rank(ids)  # dense order = (table, id) order
+        dense[m] = inv + base
+        tables_of_rows.append(np.full(nu, t, dtype=np.int64))
+        base += nu
+    return dense, (np.concatenate(tables_of_rows) if tables_of_rows else np.zeros(0, dtype=np.int64))
+
+
 class _Batches:
     """A trace with dense row numbers: per batch its distinct rows, counts, last positions."""
 
     def __init__(self, trace: Trace):
-        single = len(trace.tables) == 1
-        tab = None if single else trace.table_of_ids()
-        dense = np.empty(trace.accesses, dtype=np.int64)
-        tables_of_rows, base = [], 0
-        for t in range(len(trace.tables)):
-            m = slice(None) if single else tab == t
-            ids = trace.ids[m]
-            if not ids.size:
-                continue
-            inv, nu = _rank(ids)  # dense order = (table, id) order
-            dense[m] = inv + base
-            tables_of_rows.append(np.full(nu, t, dtype=np.int64))
-            base += nu
-        self.num_rows = base
-        self.table_of_row = torch.from_numpy(np.concatenate(tables_of_rows) if tables_of_rows
-                                             else np.zeros(0, dtype=np.int64))
+        dense, table_of_row = dense_rows(trace)
+        self.num_rows = table_of_row.size
+        self.table_of_row = torch.from_numpy(table_of_row)
         self.dense = torch.from_numpy(dense)
         self.offsets = trace.batch_offsets.tolist()
         self.n = trace.num_batches

@@ -72,3 +72,7 @@ class TraceFormatError(HierMemError):
         super().__init__(f"{path}: {reason}")
         self.path = str(path)
         self.reason = reason
+
+
+class MissingDependencyError(HierMemError, ImportError):
+    """An optional dependency is not installed (the message names the pip extra)."""

@@ -2,9 +2,12 @@
 
 * :func:`belady_misses`: the optimal offline demand-paging miss count (the requested row
   must be resident to be used; on a miss the resident row whose next use is farthest is
-  evicted).  It bounds the device tier of every policy at every batch size and prefetch
-  depth: a batch-granular run is itself a valid demand-paging schedule of its device
-  contents, and prefetching never beats demand paging in misses.
+  evicted), over the full access stream.  It bounds the device misses of every policy
+  and prefetch depth whenever each batch's distinct rows fit in the device tier: such
+  a batch-granular run, replayed access by access, is a valid demand-paging schedule
+  with the same misses, and prefetching never beats demand paging.  (When a batch
+  overflows the device, the batch counters count duplicates served from the host as
+  device hits, and the per-access bound need not hold.)
 * :func:`lru_stack_distances` / :func:`lru_mrc`: Mattson's stack distances in one pass
   (a Fenwick tree over "last occurrence" markers), so the LRU miss count of *every*
   capacity comes from one histogram.

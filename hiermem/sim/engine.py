@@ -169,6 +169,33 @@ class SimResult:
         }
 
 
+class _Tally:
+    """The ``Counters`` bumps of a replay, as plain Python ints while one table is
+    replayed (a tensor op per bump costs more than the bump); copied out at the end."""
+
+    def __init__(self, num_tables: int):
+        self.T = num_tables
+        self.table = np.zeros((num_tables, len(STAT_TIERS), len(Stat)), dtype=np.int64)
+        self.io = [0] * len(IO)
+        self._one = [[0] * len(Stat) for _ in STAT_TIERS] if num_tables == 1 else None
+
+    def add(self, tier: Tier, stat: Stat, t: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        if self._one is not None:
+            self._one[tier][stat] += t.numel() if weights is None else int(weights.sum())
+        elif t.numel():
+            self.table[:, tier, stat] += torch.bincount(t, weights=weights, minlength=self.T).long().numpy()
+
+    def into(self, c: Counters) -> None:
+        if self._one is not None:
+            self.table[0] = np.array(self._one)
+        t = self.table.copy()
+        t[:, Tier.DEVICE, Stat.HITS] = t[:, Tier.DEVICE, Stat.LOOKUPS] - t[:, Tier.DEVICE, Stat.MISSES]
+        t[:, Tier.HOST, Stat.LOOKUPS] = t[:, Tier.DEVICE, Stat.MISSES]
+        t[:, Tier.HOST, Stat.HITS] = t[:, Tier.HOST, Stat.LOOKUPS] - t[:, Tier.HOST, Stat.MISSES]
+        c.table.copy_(torch.from_numpy(t))
+        c.io.copy_(torch.tensor(self.io, dtype=torch.int64))
+
+
 def _rank(ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Each id's rank among the distinct ids (as ``np.unique``'s inverse), and their number."""
     hi = int(ids.max())
@@ -249,6 +276,7 @@ class Simulator:
         self._pins = torch.zeros(self.b.num_rows, dtype=torch.int32)
         self._npinned = 0
         self.counters = Counters(len(self.trace.tables))
+        self._tally = _Tally(len(self.trace.tables))
         self._clock = 0
         self.degraded = 0
         self._window = int(getattr(self._dev.policy, "window", 0) or 0) or config.prefetch_depth
@@ -271,21 +299,17 @@ class Simulator:
         return m
 
     def _account_lookups(self, t: torch.Tensor, counts: torch.Tensor, mi: torch.Tensor) -> None:
-        c = self.counters
-        looked = torch.bincount(t, weights=counts, minlength=c.num_tables).long()
-        missed = torch.bincount(t[mi], minlength=c.num_tables)
-        c.table[:, Tier.DEVICE, Stat.LOOKUPS] += looked
-        c.table[:, Tier.DEVICE, Stat.MISSES] += missed
-        c.table[:, Tier.DEVICE, Stat.HITS] += looked - missed
-        c.table[:, Tier.HOST, Stat.LOOKUPS] += missed
+        """Device lookups and misses (hits and host lookups follow from them)."""
+        self._tally.add(Tier.DEVICE, Stat.LOOKUPS, t, counts)
+        self._tally.add(Tier.DEVICE, Stat.MISSES, t[mi])
 
     def _account_disk(self, t: torch.Tensor, found: torch.Tensor) -> None:
-        c = self.counters
-        c.bump(Tier.HOST, Stat.MISSES, t)
-        c.table[:, Tier.HOST, Stat.HITS] = c.table[:, Tier.HOST, Stat.LOOKUPS] - c.table[:, Tier.HOST, Stat.MISSES]
-        c.bump(Tier.DISK, Stat.LOOKUPS, t)
-        c.bump(Tier.DISK, Stat.HITS, t[found])
-        c.bump(Tier.DISK, Stat.MISSES, t[~found])
+        """Host misses = disk lookups; disk hits (rows written before) and misses."""
+        c = self._tally
+        c.add(Tier.HOST, Stat.MISSES, t)
+        c.add(Tier.DISK, Stat.LOOKUPS, t)
+        c.add(Tier.DISK, Stat.HITS, t[found])
+        c.add(Tier.DISK, Stat.MISSES, t[~found])
 
     def _resolve(self, k: torch.Tensor, counts: torch.Tensor, clock: torch.Tensor, account: bool,
                  touch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +355,7 @@ class Simulator:
         vh = host.policy.victims(n_vh, ev_h) if n_vh else host.no_slots
         ondisk = ~m_host
         found = self._written.index_select(0, mk[ondisk])
-        io = self.counters.io
+        io = self._tally.io
         io[IO.BYTES_DISK_TO_HOST] += int(found.sum()) * row
         if account:
             dev.policy.on_access(hit_slots, clock[in_dev], counts[in_dev])
@@ -344,12 +368,12 @@ class Simulator:
         # ---- mutate (as the store) ----------------------------------------------
         for tier, slots in ((host, vh), (dev, vd_disk)):
             gone = tier.take(slots, with_records=False)
-            self.counters.bump(tier.tier, Stat.EVICTIONS, gone.t)
-            self.counters.bump(tier.tier, Stat.WRITEBACKS, gone.t[gone.dirty])
+            self._tally.add(tier.tier, Stat.EVICTIONS, gone.t)
+            self._tally.add(tier.tier, Stat.WRITEBACKS, gone.t[gone.dirty])
         up = host.take(hs[A], unindex=False)  # zero-width records
         down = dev.take(vd_host, unindex=False)
-        self.counters.bump(Tier.DEVICE, Stat.EVICTIONS, down.t)
-        self.counters.bump(Tier.DEVICE, Stat.WRITEBACKS, down.t[down.dirty])
+        self._tally.add(Tier.DEVICE, Stat.EVICTIONS, down.t)
+        self._tally.add(Tier.DEVICE, Stat.WRITEBACKS, down.t[down.dirty])
         iA, iB = A.nonzero().squeeze(1), B.nonzero().squeeze(1)
         io[IO.BYTES_DEVICE_TO_HOST] += len(down) * row
         io[IO.BYTES_HOST_TO_DEVICE] += (len(up) + iB.numel()) * row
@@ -390,8 +414,8 @@ class Simulator:
         if self.updates:
             self._dev.dirty[slot[on_dev]] = True
             self._host.dirty[slot[~on_dev]] = True
-            self.counters.io[IO.UPDATES] += 1
-            self.counters.io[IO.UPDATED_ROWS] += slot.numel()
+            self._tally.io[IO.UPDATES] += 1
+            self._tally.io[IO.UPDATED_ROWS] += slot.numel()
 
     def _where(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = self._keys.loc.index_select(0, k)
@@ -465,6 +489,7 @@ class Simulator:
                 self._run_plain()
         finally:
             torch.set_num_threads(threads)
+        self._tally.into(self.counters)
         secs = time.perf_counter() - t0
         io = self.counters.io
         step = self.config.cost.estimate(

@@ -52,7 +52,7 @@ def _tune(a: argparse.Namespace) -> int:
     from .tune import TuneConfig, tune
 
     cfg = TuneConfig(device_rows=a.device_rows, host_rows=a.host_rows, memory_budget_rows=a.memory_budget_rows,
-                     max_prefetch_depth=a.max_prefetch_depth, row_bytes=a.row_bytes)
+                     max_prefetch_depth=a.max_prefetch_depth, row_bytes=a.row_bytes, curve_points=a.curve_points)
     result = tune(a.trace, cfg, out_dir=a.out_dir, name=a.name, plot=a.plot, progress=not a.quiet)
     print(result.table())
     print(f"winner: {result.winner.label} -> {result.policy_file}")
@@ -103,6 +103,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="device + host rows to split (default: device-rows + host-rows, split as given)")
     t.add_argument("--max-prefetch-depth", type=int, default=2)
     t.add_argument("--row-bytes", type=int, default=256)
+    t.add_argument("--curve-points", type=int, default=8, help="device capacities per miss-ratio curve")
     t.add_argument("--out-dir", default="policies", help="where the winner's <name>.toml goes")
     t.add_argument("--name", default="tuned", help="policy file name (without .toml)")
     t.add_argument("--plot", default=None, help="PNG of miss-ratio curves (default: <out-dir>/<name>.png)")

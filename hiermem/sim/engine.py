@@ -17,6 +17,12 @@ batch is *degraded*); ``L(i)`` moves batch ``i``'s rows up to the device where r
 allows, without lookup accounting or policy updates (a degraded batch gets a plain
 accounted lookup instead); ``U(i)`` marks the rows dirty; ``R(i)`` unpins them.
 
+Policies that want lookahead (``wants_lookahead``) get :meth:`on_lookahead` before each
+accounted lookup of batch ``j`` when prefetching (``k > 0``): the resident rows that
+batches ``j+1 .. j+window`` use (``window`` a policy parameter, default ``k``), i.e. what a
+data pipeline that reads ids ``window`` batches ahead knows.  With ``k = 0`` they get no
+calls (as plain store lookups), so they run as their base policy.
+
 Not thread-safe; a simulator owns all its state.
 """
 
@@ -280,7 +286,8 @@ class Simulator:
         self._clock = 0
         self.degraded = 0
         self._window = int(getattr(self._dev.policy, "window", 0) or 0) or config.prefetch_depth
-        self._lookahead = hasattr(self._dev.policy, "on_lookahead") and self._window > 0
+        # future ids are known only to a prefetch pipeline: no lookahead with plain lookups
+        self._lookahead = self._dev.policy.wants_lookahead and config.prefetch_depth > 0
         self._soon = torch.zeros(self.b.num_rows, dtype=torch.int32) if self._lookahead else None
         self._soon_lo, self._soon_hi = 0, -1  # batches _soon_lo.._soon_hi are counted in _soon
 

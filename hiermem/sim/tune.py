@@ -103,8 +103,8 @@ def candidates(cfg: TuneConfig, accesses: int) -> list[Candidate]:
     for name, params in policy_grid(accesses):
         for d, h in splits:
             for k in range(cfg.max_prefetch_depth + 1):
-                if name == "lookahead" and k == 0 and dict(params)["window"] == 0:
-                    continue  # no future to look at: plain LRU
+                if name == "lookahead" and k == 0:
+                    continue  # no pipeline, no future ids: plain LRU
                 out.append(Candidate(name, params, d, h, k))
     return out
 
@@ -186,9 +186,9 @@ def _curves(trace: Trace, ranked: list[Scored], cfg: TuneConfig, progress: bool)
     distinct = int(dense.max()) + 1 if dense.size else 1
     caps = curve_capacities(cfg.device_rows, distinct, cfg.curve_points)
     best: dict[str, Candidate] = {}
-    for s in ranked:  # the best parameters of each family, without prefetch (pure policy)
+    for s in ranked:  # the best parameters (and depth) of each family
         c = s.candidate
-        if c.prefetch_depth == 0 and c.policy not in best:
+        if c.policy not in best:
             best[c.policy] = c
     curves: dict[str, tuple[list[int], list[float]]] = {}
     n = trace.accesses or 1
@@ -197,9 +197,10 @@ def _curves(trace: Trace, ranked: list[Scored], cfg: TuneConfig, progress: bool)
         ratios = []
         for i, cap in enumerate(caps):
             _progress(j * len(caps) + i, todo, f"curve {fam} {cap}", progress)
-            r = simulate(trace, SimConfig(cap, c.host_rows, c.spec, 0, row_bytes=cfg.row_bytes, cost=cfg.cost))
+            r = simulate(trace, SimConfig(cap, c.host_rows, c.spec, c.prefetch_depth, row_bytes=cfg.row_bytes,
+                                          cost=cfg.cost))
             ratios.append(r.device_misses / n)
-        curves[f"{fam} (batch)"] = (caps, ratios)
+        curves[f"{fam} (batch, k={c.prefetch_depth})"] = (caps, ratios)
     _progress(todo, todo, "curves", progress)
     curves["belady (per access)"] = (caps, [belady_misses(dense, cap) / n for cap in caps])
     mrc = lru_mrc(dense)

@@ -19,8 +19,8 @@ from hiermem.sim.tune import TuneConfig, candidates, tune
 
 @pytest.fixture
 def zipf_trace(tmp_path):
-    ids = ZipfIds(3000, 1.0, 7)(12_000)
-    return write_trace(tmp_path / "zipf", ["t"], ids, np.full((120, 1), 100))
+    ids = ZipfIds(3000, 1.0, 7)(6_000)
+    return write_trace(tmp_path / "zipf", ["t"], ids, np.full((60, 1), 100))
 
 
 def test_tune_cli_ranks_plots_and_writes_a_loadable_policy(tmp_path, zipf_trace, capsys):
@@ -55,7 +55,7 @@ def test_tune_cli_ranks_plots_and_writes_a_loadable_policy(tmp_path, zipf_trace,
 
 def test_tune_api_ranking_and_budget_splits(zipf_trace):
     cfg = TuneConfig(device_rows=100, host_rows=100, memory_budget_rows=300, max_prefetch_depth=0, curve_points=3)
-    cands = candidates(cfg, 12_000)
+    cands = candidates(cfg, 6_000)
     assert {(c.device_rows, c.host_rows) for c in cands} == {(100, 200), (75, 225), (50, 250)}
     r = tune(zipf_trace, cfg, progress=False, write=False)
     steps = [s.step_seconds for s in r.ranked]
@@ -77,3 +77,28 @@ def test_tune_without_matplotlib_is_a_clear_error(zipf_trace, tmp_path, monkeypa
                      "--out-dir", str(tmp_path / "p"), "--quiet"]) == 2
     assert "matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_readme_tuning_commands_run(tmp_path):
+    """The README's offline-tuning shell block, as written (``hiermem`` = this checkout's CLI)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from hiermem.data import shared_data_dir
+
+    if shared_data_dir() is None:
+        pytest.skip("shared data absent")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"## Offline policy tuning.*?```bash\n(.*?)```", readme, re.S).group(1)
+    monkey = pytest.MonkeyPatch()
+    monkey.chdir(tmp_path)
+    try:
+        for line in block.strip().splitlines():
+            argv = shlex.split(line.split("#")[0])
+            assert argv[0] == "hiermem"
+            assert cli_main(argv[1:]) == 0, line
+    finally:
+        monkey.undo()
+    assert hm.resolve_policy(tmp_path / "policies" / "tuned.toml").name in hm.POLICIES
+    assert (tmp_path / "policies" / "tuned.png").is_file()

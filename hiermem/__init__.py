@@ -13,12 +13,15 @@ from .metrics import STORES, MetricsRegistry, StoreCollector, serve_metrics
 from .optim import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 from .stats import IO, Stat
 from .store import HierarchicalStore
+from .batched import Ticket
+from .modules import CachedEmbeddingBagCollection
+from .pipeline import PrefetchPipeline
 from .types import StoreConfig, TableSpec, Tier, default_device
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adagrad", "Adam", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
+    "Adagrad", "Adam", "CachedEmbeddingBagCollection", "PrefetchPipeline", "Ticket", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
     "IO", "InvalidArgumentError", "MetricsRegistry", "STORES", "StoreCollector", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
     "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD", "SparseFeatures",
     "Stat", "StoreClosedError", "StoreConfig", "StoreFormatError", "TableSpec", "Tier", "UnknownTableError",

@@ -16,8 +16,10 @@ def _demo(a: argparse.Namespace) -> int:
     if a.metrics_port is not None:
         server = _serve(a.metrics_port, a.metrics_addr)
     try:
-        run_demo(DemoConfig(steps=a.steps, batch=a.batch, num_rows=a.num_rows, device_rows=a.device_rows,
-                            host_rows=a.host_rows, policy=a.policy, device=a.device, path=a.path, seed=a.seed))
+        run_demo(DemoConfig(steps=a.steps, batch=a.batch, dim=a.dim, device_rows=a.device_rows,
+                            host_rows=a.host_rows, table_factor=a.table_factor, depth=a.depth, policy=a.policy,
+                            checkpoint_every=a.checkpoint_every, device=a.device, path=a.path, seed=a.seed,
+                            synthetic=a.synthetic, criteo=a.criteo, resume=a.resume, progress=not a.no_progress))
     finally:
         if server is not None:
             server.shutdown()
@@ -62,16 +64,24 @@ def _stats(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hiermem", description="Hierarchical embedding memory for PyTorch.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="lookup/update steps through device, host and LMDB tiers")
-    d.add_argument("--steps", type=int, default=60)
-    d.add_argument("--batch", type=int, default=2048, help="samples per step (20 ids each)")
-    d.add_argument("--num-rows", type=int, default=1_000_000)
-    d.add_argument("--device-rows", type=int, default=10_000)
-    d.add_argument("--host-rows", type=int, default=100_000)
+    d = sub.add_parser("demo", help="train a small DLRM with embeddings beyond the device tier (Criteo data)")
+    d.add_argument("--steps", type=int, default=300, help="train until this step (default 300)")
+    d.add_argument("--batch", type=int, default=256, help="samples per step")
+    d.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    d.add_argument("--device-rows", type=int, default=16384, help="device tier rows (tables are 10x this)")
+    d.add_argument("--host-rows", type=int, default=65536, help="host tier rows")
+    d.add_argument("--table-factor", type=int, default=10, help="bounded tables' size / device tier")
+    d.add_argument("--depth", type=int, default=2, help="prefetch depth (0: none)")
     d.add_argument("--policy", default="lru", help="lru, lfu or a policies/*.toml file")
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    d.add_argument("--path", default=None, help="store directory (default: a temporary one)")
+    d.add_argument("--path", default="runs/demo", help="run directory (store and checkpoints)")
+    d.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     d.add_argument("--seed", type=int, default=0)
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--synthetic", action="store_true", help="synthetic Criteo-like data")
+    src.add_argument("--criteo", default=None, metavar="PATH", help="a Criteo-layout TSV file (streamed)")
+    d.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     d.add_argument("--metrics-addr", default="127.0.0.1", help="address for /metrics (default: loopback)")
     d.set_defaults(fn=_demo)

@@ -13,9 +13,13 @@ unambiguous (``hits / lookups`` of the same tier):
 * ``evictions``: rows that left the tier for the one below (device -> host, host ->
   disk); ``writebacks``: of those, the dirty ones (carried down, or written to LMDB).
 
-Store-wide counters (``IO``) count bytes moved per tier pair and flushes.  The prefetch
-counters (``PREFETCHED_ROWS``, ``PREFETCH_HITS``, ``LATE_PREFETCHES``) stay 0 until
-prefetch exists; they are here so metric names and dashboards are stable.
+Store-wide counters (``IO``) count bytes moved per tier pair, flushes and prefetch.  A
+prefetched batch is accounted (lookups, hits, misses per tier) when it is prefetched, as
+its lookup would have been; its lookup later counts ``PREFETCH_HITS`` (its ids found on
+the device tier) instead.  ``PREFETCHED_ROWS`` counts distinct rows a prefetch moved up
+to the device tier, ``LATE_PREFETCHES`` rows whose prefetch had not finished when the
+batch needed them (the lookup waited), ``PREFETCH_DEGRADED`` prefetched batches that
+could not be held entirely on the device tier beside the rows already pinned.
 
 :class:`Histogram` holds duration buckets as plain Python numbers (one ``bisect`` and two
 additions per observation); :mod:`hiermem.metrics` reads them at scrape time.
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 import enum
+import time
+from functools import wraps
 
 import torch
 
@@ -51,9 +57,14 @@ class IO(enum.IntEnum):
     FLUSHED_ROWS = 5
     UPDATES = 6
     UPDATED_ROWS = 7
-    PREFETCHED_ROWS = 8  # rows fetched ahead of the batch that needs them (0 until prefetch exists)
-    PREFETCH_HITS = 9  # device lookups served by a prefetched row (0 until prefetch exists)
-    LATE_PREFETCHES = 10  # rows still in flight when their batch needed them (0 until prefetch exists)
+    PREFETCHED_ROWS = 8  # distinct rows a prefetch moved up to the device tier ahead of need
+    PREFETCH_HITS = 9  # ids of prefetched batches found on the device tier at lookup
+    LATE_PREFETCHES = 10  # rows whose prefetch was still in flight when their batch needed them
+    PREFETCH_DEGRADED = 11  # prefetched batches not entirely on the device tier (pinned rows filled it)
+    PREFETCHED_BATCHES = 12  # batches prefetched and pinned
+    PREFETCH_REVOKED = 13  # prefetches unpinned early: a batch that was not prefetched needed the room
+    PREFETCH_REQUESTS = 14  # prefetch calls (batches asked for)
+    PREFETCH_PINNED_ROWS = 15  # distinct rows of prefetched batches, pinned
 
 
 #: Upper bounds (seconds) of the duration histograms' buckets; a last ``+Inf`` is implied.
@@ -106,3 +117,18 @@ class Counters:
 
     def add_io(self, what: IO, n: int) -> None:
         self.io[what] += int(n)
+
+
+def timed(hist: str):
+    """Decorator: record a store method's duration (under the store's lock) in ``counters.<hist>``."""
+    def deco(fn):
+        @wraps(fn)
+        def timed(self, *args, **kwargs):
+            with self._lock:
+                t0 = time.perf_counter()
+                try:
+                    return fn(self, *args, **kwargs)
+                finally:
+                    getattr(self.counters, hist).observe(time.perf_counter() - t0)
+        return timed
+    return deco

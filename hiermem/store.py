@@ -37,7 +37,9 @@ from .eviction import resolve_policy
 from .hashing import mix_scalar, uniform_rows
 from .index import SlotIndex
 from .optim import Optimizer, optimizer_from_dict
-from .stats import IO, STAT_TIERS, Counters, Stat
+from .batched import BatchedOps, Ticket
+from .checkpoint import Checkpointing
+from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
 from .tiers.slots import Rows
 from .types import StoreConfig, TableSpec, Tier
@@ -55,21 +57,6 @@ def initial_records(spec: TableSpec, table_index: int, seed: int, optimizer: Opt
                      dtype=torch.float32, device=ids.device)
     rec[:, :spec.dim] = uniform_rows(key, ids, spec.dim, spec.bound)
     return rec
-
-
-def _timed(hist: str):
-    """Record a public method's duration (under the store's lock) in ``counters.<hist>``."""
-    def deco(fn):
-        @wraps(fn)
-        def timed(self, *args, **kwargs):
-            with self._lock:
-                t0 = time.perf_counter()
-                try:
-                    return fn(self, *args, **kwargs)
-                finally:
-                    getattr(self.counters, hist).observe(time.perf_counter() - t0)
-        return timed
-    return deco
 
 
 @dataclass
@@ -92,7 +79,7 @@ class Batch:
     n: int
 
 
-class HierarchicalStore:
+class HierarchicalStore(BatchedOps, Checkpointing):
     """Embedding tables over device, host and disk tiers.
 
     Args:
@@ -150,6 +137,7 @@ class HierarchicalStore:
         self._epoch = 0  # bumped whenever any row changes tier
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
         self._recorder = None  # a hiermem.sim.trace.TraceRecorder while recording
+        self._setup_batched()
         self._closed = False
         if config.trace_path is not None:
             self.record(config.trace_path)
@@ -408,7 +396,8 @@ class HierarchicalStore:
         sA = dev.put(up.to(dd), index=False)
         sD = host.put(down, index=False)
         self._keys.move_slots(torch.cat((host.g(hs[A]), dev.g(vd_host))), torch.cat((dev.g(sA), host.g(sD))))
-        dev.policy.on_access(sA, mclock[iA].to(dd), mcount[iA].to(dd))
+        if account:  # an unaccounted resolve (update without lookup, prefetched batch) moves, never "uses"
+            dev.policy.on_access(sA, mclock[iA].to(dd), mcount[iA].to(dd))
         slot = dslot.clone()
         on_device = torch.ones_like(in_dev)
         slot[mi[iA.to(dd)]] = sA
@@ -418,7 +407,8 @@ class HierarchicalStore:
         slot[mi[iB.to(dd)]] = sB
         iC, iE = C.nonzero().squeeze(1), E.nonzero().squeeze(1)
         if iC.numel() or iE.numel():
-            host.policy.on_access(hs[iC], mclock[iC], mcount[iC])
+            if account:
+                host.policy.on_access(hs[iC], mclock[iC], mcount[iC])
             sE = host.put(Rows(mt[iE], mk[iE], rec_disk[dpos[iE]], torch.zeros(iE.numel(), dtype=torch.bool)),
                           mclock[iE], mcount[iE])
             hidx = torch.cat((iC, iE)).to(dd)
@@ -449,14 +439,12 @@ class HierarchicalStore:
         c.bump(Tier.DISK, Stat.HITS, t[found])
         c.bump(Tier.DISK, Stat.MISSES, t[~found])
 
-    def _place(self, b: Batch, account: bool) -> Placement:
-        if account:
-            clock = b.lastpos + self._clock
-            self._clock += b.n
-        else:
-            clock = torch.full_like(b.k, self._clock)
-        p = self._resolve(b, clock, account)
-        if account and self._recorder is not None:  # trace capture (hiermem.sim.trace)
+    def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
+        if not account:
+            return self._resolve(b, torch.full_like(b.k, self._clock), False)
+        p = self._resolve(b, b.lastpos + self._clock, True)
+        self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
+        if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
             self._recorder.record(b)
         return p
 
@@ -494,7 +482,7 @@ class HierarchicalStore:
             tier.dirty[slots] = True
 
     # -- public API -----------------------------------------------------------------
-    @_timed("lookup_seconds")
+    @timed("lookup_seconds")
     def lookup(self, table: str, ids) -> torch.Tensor:
         """Rows ``[len(ids), dim]`` (float32, on ``config.device``) of ``ids`` of ``table``.
 
@@ -552,7 +540,7 @@ class HierarchicalStore:
             scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
         return bag, scale
 
-    @_timed("lookup_seconds")
+    @timed("lookup_seconds")
     def lookup_pooled(self, table: str, ids, offsets: torch.Tensor, mode: str = "sum",
                       per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled rows ``[len(offsets), dim]``, as ``nn.EmbeddingBag(ids, offsets)``.
@@ -583,7 +571,7 @@ class HierarchicalStore:
             out = torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
             return out.index_add_(0, bag, rows)
 
-    @_timed("update_seconds")
+    @timed("update_seconds")
     def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
                       per_sample_weights: torch.Tensor | None = None) -> None:
         """The backward of :meth:`lookup_pooled` fused with the optimizer step.
@@ -613,7 +601,7 @@ class HierarchicalStore:
             return m[2], m[3]
         return None
 
-    @_timed("update_seconds")
+    @timed("update_seconds")
     def update(self, table: str, ids, grads: torch.Tensor) -> None:
         """Apply the optimizer to the rows of ``ids`` with gradients ``grads [n, dim]``.
 

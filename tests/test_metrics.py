@@ -174,18 +174,45 @@ def test_serve_metrics_on_loopback(tmp_path):
 
 def test_cli_serve_and_demo_metrics_port(tmp_path):
     path = tmp_path / "d"
-    assert main(["demo", "--steps", "2", "--batch", "64", "--num-rows", "2000", "--device-rows", "100",
-                 "--host-rows", "500", "--path", str(path), "--metrics-port", "0"]) == 0
-    p = subprocess.Popen([sys.executable, "-m", "hiermem.cli", "serve", str(path), "--port", "0", "--seconds", "20"],
+    assert main(["demo", "--steps", "2", "--batch", "64", "--device-rows", "1024", "--host-rows", "4096",
+                 "--path", str(path), "--metrics-port", "0", "--no-progress"]) == 0
+    p = subprocess.Popen([sys.executable, "-m", "hiermem.cli", "serve", str(path / "store"), "--port", "0",
+                          "--seconds", "20"],
                          stderr=subprocess.PIPE, text=True)
     try:
         line = p.stderr.readline()
         port = int(re.search(r"127\.0\.0\.1:(\d+)/metrics", line).group(1))
         text = _get(f"http://127.0.0.1:{port}/metrics")
-        assert 'hiermem_occupancy_rows{store="d",tier="disk"}' in text
+        assert 'hiermem_occupancy_rows{store="store",tier="disk"}' in text
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_prefetch_counters_after_a_scripted_sequence(tmp_path):
+    """Device 4 rows, host 4 rows: prefetch, lookup with the ticket, release, by hand."""
+    s = make_store(tmp_path / "p", 4, 4)
+    reg = collector_registry(s)
+
+    def v(name):
+        return reg.get_sample_value(name, {"store": "s"})
+    t = torch.zeros(3, dtype=torch.int64)
+    ids = torch.tensor([1, 2, 1])
+    tk = s.prefetch(t, ids)  # 2 distinct rows, new: placed on the device and pinned
+    assert v("hiermem_prefetch_requests_total") == 1 and v("hiermem_prefetched_batches_total") == 1
+    assert v("hiermem_prefetch_pinned_rows_total") == 2 and v("hiermem_prefetched_rows_total") == 2
+    assert reg.get_sample_value("hiermem_lookups_total", {"store": "s", "table": "t", "tier": "device"}) == 3
+    assert reg.get_sample_value("hiermem_pinned_rows", {"store": "s", "tier": "device"}) == 2
+    s.lookup_bags(t, ids, torch.tensor([0, 2]), ticket=tk)  # served by the prefetch: not accounted again
+    assert v("hiermem_prefetch_hits_total") == 3
+    assert reg.get_sample_value("hiermem_lookups_total", {"store": "s", "table": "t", "tier": "device"}) == 3
+    s.release(tk)
+    assert reg.get_sample_value("hiermem_pinned_rows", {"store": "s", "tier": "device"}) == 0
+    big = torch.arange(10, 15)  # 5 rows: 2 * 5 > 8 slots, refused by admission
+    tk2 = s.prefetch(torch.zeros(5, dtype=torch.int64), big)
+    assert not tk2.pinned and v("hiermem_prefetch_degraded_total") == 1 and v("hiermem_prefetch_requests_total") == 2
+    assert v("hiermem_prefetched_batches_total") == 1 and v("hiermem_late_prefetches_total") == 0
+    s.close()
 
 
 # -- concurrency ----------------------------------------------------------------------------
@@ -290,14 +317,20 @@ def test_real_prometheus_evaluates_every_dashboard_expression(tmp_path):
     server, _ = hm.serve_metrics(0, registry=CollectorRegistry(), stores=stores)
     stop = threading.Event()
 
-    def train():
+    def batches():
         g = torch.Generator().manual_seed(0)
         while not stop.is_set():
-            for name, dim, hi in (("user", 16, 20000), ("item", 8, 10**12)):
-                ids = (torch.rand(512, generator=g) ** 2 * hi).long()
-                rows = s.lookup(name, ids)
-                s.update(name, ids, rows * 0.1)
+            lengths = torch.randint(0, 3, (2 * 128,), generator=g)
+            hi = torch.tensor([20000] * 128 + [10**12] * 128).repeat_interleave(lengths)
+            ids = (torch.rand(int(lengths.sum()), generator=g) ** 2 * hi).long()
+            yield hm.SparseFeatures(("user", "item"), ids, lengths)
             time.sleep(0.01)
+
+    def train():  # the module with a prefetch pipeline, so every prefetch metric moves too
+        emb = hm.CachedEmbeddingBagCollection(tables, store=s)
+        with hm.PrefetchPipeline(batches(), emb, depth=2) as pipe:
+            for f in pipe:
+                emb(f).square().mean().backward()
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
     port = _free_port()

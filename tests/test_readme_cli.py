@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 import hiermem as hm
 from hiermem.cli import main
 
@@ -29,18 +31,48 @@ def test_readme_starts_with_the_two_commands():
 
 
 def test_demo_small(capsys, tmp_path):
-    assert main(["demo", "--steps", "4", "--batch", "256", "--num-rows", "20000", "--device-rows", "300",
-                 "--host-rows", "2000", "--path", str(tmp_path / "d")]) == 0
+    run = tmp_path / "d"
+    args = ["demo", "--steps", "12", "--batch", "64", "--device-rows", "2048", "--host-rows", "8192",
+            "--checkpoint-every", "5", "--path", str(run), "--no-progress"]
+    assert main(args) == 0
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
     for tier in ("device", "host", "disk"):
-        assert 0 <= summary[f"user_{tier}_hit_rate"] <= 1
-    assert summary["ids"] == 4 * 256 * 20
-    # the demo left a store that the stats command reads back
-    assert main(["stats", str(tmp_path / "d")]) == 0
+        assert 0 <= summary[f"{tier}_hit_rate"] <= 1
+    assert summary["steps"] == 12 and summary["prefetch"]["prefetched_batches"] == 12
+    assert "loss:" in out and "hit rates:" in out and "prefetch:" in out
+    # the demo left a store that the stats command reads back, and a checkpoint to resume from
+    assert main(["stats", str(run / "store")]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["stats"]["user"]["device"]["lookups"] == 0  # counters are per session
+    assert stats["stats"]["C1"]["device"]["lookups"] == 0  # counters are per session
     assert stats["stats"]["_store"]["disk_rows"] > 0
+    assert main([*args[:2], "16", *args[3:], "--resume"]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resumed["start_step"] == 12 and resumed["steps"] == 4
+    # a run directory that is not the demo's is never deleted
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep").write_text("x")
+    assert main(["demo", "--steps", "1", "--path", str(tmp_path / "other"), "--no-progress"]) == 2
+    assert (tmp_path / "other" / "keep").exists()
+
+
+def test_demo_reads_criteo_tsv_and_synthetic(capsys, tmp_path):
+    lines = []
+    rng = np.random.default_rng(0)
+    for i in range(100):
+        ints = [str(int(x)) if x >= 0 else "" for x in rng.integers(-1, 50, 13)]
+        cats = [f"{int(x):08x}" if x >= 0 else "" for x in rng.integers(-5, 2**32, 26)]
+        lines.append("\t".join([str(i % 2), *ints, *cats]))
+    tsv = tmp_path / "day_0.tsv"
+    tsv.write_text("\n".join(lines) + "\n")
+    for src in (["--criteo", str(tsv)], ["--synthetic"]):
+        assert main(["demo", "--steps", "6", "--batch", "32", "--device-rows", "1024", "--host-rows", "4096",
+                     "--path", str(tmp_path / src[0]), "--no-progress", *src]) == 0
+        s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert s["data"] == ("criteo" if src[0] == "--criteo" else "synthetic") and s["steps"] == 6
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t2\t3\n")
+    assert main(["demo", "--steps", "2", "--criteo", str(bad), "--path", str(tmp_path / "b"), "--no-progress"]) == 2
 
 
 def test_cli_errors_are_clean(tmp_path):

@@ -111,8 +111,10 @@ def test_recorder_splits_multi_table_batches_per_table(tmp_path):
     rec = TraceRecorder(tmp_path / "tr", ["a", "b", "c"])
     rec.record(Batch(t, k, inverse, torch.ones(5), torch.zeros(5), 7))
     rec.close()
-    (a, b, c), = list(load_trace(tmp_path / "tr").batches())
+    tr = load_trace(tmp_path / "tr")
+    (a, b, c), = list(tr.batches())
     assert a.tolist() == [5, 9, 9, 5] and b.tolist() == [7, 3] and c.tolist() == [1]
+    assert tr.ids.tolist() == [5, 9, 9, 7, 3, 1, 5] and tr.table_of_ids().tolist() == [0, 0, 0, 1, 1, 2, 0]
 
 
 def test_store_record_api(tmp_path):
@@ -162,7 +164,7 @@ def test_prefetch_invariants(tmp_path):
                 tier.policy.victims = checked
             r = sim.run()
             assert r.tier(hm.Tier.DEVICE)["lookups"] == tr.accesses
-            assert sim._npinned == 0 and int(sim._pins.abs().sum()) == 0
+            assert sim._pinned_rows == 0 and int(sim._pins.abs().sum()) == 0
             if dev >= 50 * (depth + 1):
                 assert r.degraded == 0
             else:

@@ -10,12 +10,16 @@ dense array over the trace's distinct rows (``DenseIndex``), and LMDB is a bit p
 order), so replaying a trace captured from a store reproduces the store's counters
 exactly; ``tests/test_sim_exact.py`` checks this against real stores.
 
-Prefetch depth ``k`` (the store's pipeline order): ``P(0..k-1)``, then per step ``i``:
-``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)``.  ``P(j)`` is an accounted lookup of batch ``j``
-that pins its rows where they land (a :class:`CapacityError` there pins nothing and the
-batch is *degraded*); ``L(i)`` moves batch ``i``'s rows up to the device where room
-allows, without lookup accounting or policy updates (a degraded batch gets a plain
-accounted lookup instead); ``U(i)`` marks the rows dirty; ``R(i)`` unpins them.
+Prefetch depth ``k`` follows ``HierarchicalStore.prefetch`` and the pipeline's order
+(``P(0..k-1)``, then per step ``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)``): ``P(j)`` admits a
+batch only if its rows fit twice beside the rows already pinned, then places it with
+full accounting and pins its rows where they land (refused or a ``CapacityError``: pins
+nothing, *degraded*, and ``L(j)`` is then a plain accounted lookup); ``L(i)`` of a pinned
+batch moves its rows up without accounting; a lookup that cannot fit beside the pins
+revokes them all; ``U(i)`` re-places the rows (unaccounted) only if rows changed tier
+since ``L(i)`` and the batch is not pinned; ``R(i)`` unpins.  The same counters come out
+(``PREFETCH_*`` included): ``tests/test_sim_exact.py`` replays traces a store captured
+through ``prefetch``/``lookup_bags``/``update_bags``/``release`` at depths 0..3.
 
 Policies that want lookahead (``wants_lookahead``) get :meth:`on_lookahead` before each
 accounted lookup of batch ``j`` when prefetching (``k > 0``): the resident rows that
@@ -126,7 +130,8 @@ class SimResult:
     Attributes:
         counters: the same ``table x tier x Stat`` and ``IO`` tensors the store keeps.
         accesses: ids looked up (duplicates included); batches: batches replayed.
-        degraded: prefetched batches that could not all be made resident (pinned nothing).
+        degraded: prefetched batches refused or not entirely on the device (the store's
+            ``PREFETCH_DEGRADED``).
         seconds: wall time of the replay.
         step: estimated time per training step from the cost model.
     """
@@ -258,6 +263,16 @@ class _Batches:
         return torch.unique(self.dense[self.offsets[i]:self.offsets[i + 1]])
 
 
+@dataclass
+class _Ticket:
+    """A prefetched batch (the store's ``Ticket``): its rows, pinned / accounted state."""
+
+    batch: tuple
+    pinned: bool
+    accounted: bool
+    released: bool = False
+
+
 class Simulator:
     """Replay a trace through a device tier, a host tier and a written-rows bitmap.
 
@@ -280,7 +295,8 @@ class Simulator:
         self._host = SlotTier(Tier.HOST, H, 0, _CPU, self.spec, self._keys, base=D)
         self._written = torch.zeros(self.b.num_rows, dtype=torch.bool)  # has an LMDB copy
         self._pins = torch.zeros(self.b.num_rows, dtype=torch.int32)
-        self._npinned = 0
+        self._pinned_rows = 0  # distinct rows with a pin
+        self._epoch = 0
         self.counters = Counters(len(self.trace.tables))
         self._tally = _Tally(len(self.trace.tables))
         self._clock = 0
@@ -300,7 +316,7 @@ class Simulator:
 
     def _evictable(self, tier: SlotTier, exclude: torch.Tensor) -> torch.Tensor:
         m = tier.keys_t >= 0
-        if self._npinned:
+        if self._pinned_rows:
             m &= self._pins.index_select(0, tier.keys_k) == 0
         m[exclude] = False
         return m
@@ -318,11 +334,12 @@ class Simulator:
         c.add(Tier.DISK, Stat.HITS, t[found])
         c.add(Tier.DISK, Stat.MISSES, t[~found])
 
-    def _resolve(self, k: torch.Tensor, counts: torch.Tensor, clock: torch.Tensor, account: bool,
-                 touch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _resolve(self, k: torch.Tensor, counts: torch.Tensor, clock: torch.Tensor,
+                 account: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``HierarchicalStore._resolve`` over dense rows ``k``: returns ``(slot, on_device)``.
 
-        ``touch=False`` (prefetch's L step) leaves policy state of moved rows as carried.
+        An unaccounted resolve (a prefetched batch's lookup, an update after a tier change)
+        moves rows but never "uses" them: moved rows keep their carried policy state.
         """
         dev, host, row = self._dev, self._host, self.config.row_bytes
         t = self.b.table_of_row.index_select(0, k)
@@ -368,6 +385,7 @@ class Simulator:
             dev.policy.on_access(hit_slots, clock[in_dev], counts[in_dev])
             self._account_lookups(t, counts, mi)
             self._account_disk(mt[ondisk], found)
+        self._epoch += 1  # rows change tier from here on (the store's memo epoch)
         wb = torch.cat((host.keys_k[vh[host.dirty[vh]]], dev.keys_k[vd_disk[dev.dirty[vd_disk]]]))
         if wb.numel():
             self._written[wb] = True
@@ -387,7 +405,7 @@ class Simulator:
         sA = dev.put(up, index=False)
         sD = host.put(down, index=False)
         self._keys.move_slots(torch.cat((host.g(hs[A]), dev.g(vd_host))), torch.cat((dev.g(sA), host.g(sD))))
-        if touch:
+        if account:
             dev.policy.on_access(sA, mclock[iA], mcount[iA])
         slot = dslot.clone()
         on_device = torch.ones_like(in_dev)
@@ -397,7 +415,7 @@ class Simulator:
         slot[mi[iB]] = sB
         iC, iE = C.nonzero().squeeze(1), E.nonzero().squeeze(1)
         if iC.numel() or iE.numel():
-            if touch:
+            if account:
                 host.policy.on_access(hs[iC], mclock[iC], mcount[iC])
             sE = host.put(self._new_rows(mt[iE], mk[iE]),
                           mclock[iE], mcount[iE])
@@ -407,15 +425,18 @@ class Simulator:
         return slot, on_device
 
     # -- operations ---------------------------------------------------------------------
-    def _lookup(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _lookup(self, i: int, batch: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """An accounted lookup of batch ``i`` (``HierarchicalStore._place(account=True)``)."""
-        k, counts, lastpos, n = self.b.get(i)
+        k, counts, lastpos, n = batch if batch is not None else self.b.get(i)
         if self._lookahead:
             self._mark_lookahead(i)
-        clock = lastpos + self._clock
-        self._clock += n
-        slot, on_dev = self._resolve(k, counts, clock, account=True)
-        return k, slot, on_dev
+        out = self._resolve(k, counts, lastpos + self._clock, account=True)
+        self._clock += n  # only once placed: a refused batch leaves no trace
+        return out
+
+    def _moved(self, k: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An unaccounted resolve (``_place(account=False)``)."""
+        return self._resolve(k, counts, torch.full_like(k, self._clock), account=False)
 
     def _update(self, slot: torch.Tensor, on_dev: torch.Tensor) -> None:
         if self.updates:
@@ -426,8 +447,17 @@ class Simulator:
 
     def _where(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = self._keys.loc.index_select(0, k)
+        assert bool((g >= 0).all()), "a pinned row is not resident"
         on_dev = g < self._dev.capacity
         return torch.where(on_dev, g, g - self._host.base), on_dev
+
+    def _pin(self, k: torch.Tensor, delta: int) -> None:
+        if delta > 0:
+            self._pinned_rows += int((self._pins.index_select(0, k) == 0).sum())
+            self._pins[k] += delta
+        else:
+            self._pins[k] += delta
+            self._pinned_rows -= int((self._pins.index_select(0, k) == 0).sum())
 
     def _mark_lookahead(self, i: int) -> None:
         """Tell the policies which resident rows batches ``i+1 .. i+window`` use."""
@@ -444,40 +474,85 @@ class Simulator:
 
     def _run_plain(self) -> None:
         for i in range(self.b.n):
-            _, slot, on_dev = self._lookup(i)
-            self._update(slot, on_dev)
+            if self.b.offsets[i + 1] > self.b.offsets[i]:
+                self._update(*self._lookup(i))
+
+    def _prefetch(self, j: int) -> _Ticket:
+        """``HierarchicalStore.prefetch``: admission, an accounted placement, pins."""
+        batch = self.b.get(j)
+        k, _, _, n = batch
+        io, U = self._tally.io, k.numel()
+        if n == 0:
+            return _Ticket(batch, True, True)
+        io[IO.PREFETCH_REQUESTS] += 1
+        if self._pinned_rows + 2 * U > self._dev.capacity + self._host.capacity:  # admission
+            io[IO.PREFETCH_DEGRADED] += 1
+            return _Ticket(batch, False, False)
+        g0 = self._keys.loc.index_select(0, k)
+        was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
+        try:
+            _, on_dev = self._lookup(j, batch)
+        except CapacityError:  # nothing changed
+            io[IO.PREFETCH_DEGRADED] += 1
+            return _Ticket(batch, False, False)
+        self._pin(k, 1)
+        io[IO.PREFETCHED_ROWS] += int((on_dev & ~was_dev).sum())
+        io[IO.PREFETCHED_BATCHES] += 1
+        io[IO.PREFETCH_PINNED_ROWS] += U
+        if not bool(on_dev.all()):
+            io[IO.PREFETCH_DEGRADED] += 1
+        return _Ticket(batch, True, True)
+
+    def _revoke(self, live: dict) -> int:
+        """Unpin every outstanding prefetch (``revoke_prefetches``)."""
+        n = 0
+        for tk in live.values():
+            if tk.pinned and not tk.released:
+                self._pin(tk.batch[0], -1)
+                tk.pinned = False
+                n += 1
+        self._tally.io[IO.PREFETCH_REVOKED] += n
+        return n
+
+    def _retry(self, fn, live: dict):
+        try:
+            return fn()
+        except CapacityError:  # later batches' pins hold the room this batch needs
+            if not self._revoke(live):
+                raise
+            return fn()
 
     def _run_prefetch(self, depth: int) -> None:
+        """The pipeline's order: P(0..k-1); per step L(i), P(i+k), U(i), R(i)."""
         n = self.b.n
-        pinned: dict[int, torch.Tensor] = {}
-
-        def prefetch(j: int) -> None:
-            try:
-                k, _, _ = self._lookup(j)
-            except CapacityError:
-                self.degraded += 1
-                return
-            self._pins[k] += 1
-            self._npinned += k.numel()
-            pinned[j] = k
-
+        live: dict[int, _Ticket] = {}
         for j in range(min(depth, n)):
-            prefetch(j)
+            live[j] = self._prefetch(j)
         for i in range(n):
-            k = pinned.get(i)
-            if k is None:  # degraded: a plain accounted lookup now
-                k, _, _ = self._lookup(i)
-            else:
-                slot, on_dev = self._where(k)
-                if not bool(on_dev.all()):
-                    z = torch.zeros_like(k)
-                    self._resolve(k, z, z + self._clock, account=False, touch=False)
+            tk = live[i]
+            k, counts, _, nids = tk.batch
+            if nids:
+                if tk.pinned:  # L: its rows are resident; move them up if needed, unaccounted
+                    slot, on_dev = self._where(k)
+                    self._tally.io[IO.PREFETCH_HITS] += int(counts[on_dev].sum())
+                    if not bool(on_dev.all()):
+                        self._moved(k, counts)
+                elif tk.accounted:  # revoked: placed again without accounting
+                    self._retry(lambda: self._moved(k, counts), live)
+                else:  # refused: a plain lookup
+                    self._retry(lambda: self._lookup(i, tk.batch), live)
+                epoch = self._epoch
             if i + depth < n:
-                prefetch(i + depth)
-            self._update(*self._where(k))
-            if i in pinned:
-                self._pins[pinned.pop(i)] -= 1
-                self._npinned -= k.numel()
+                live[i + depth] = self._prefetch(i + depth)
+            if nids:  # U: the lookup's placement unless rows moved since (then re-placed)
+                if tk.pinned or self._epoch == epoch:
+                    self._update(*self._where(k))
+                else:
+                    self._update(*self._retry(lambda: self._moved(k, counts), live))
+            if tk.pinned:  # R
+                self._pin(k, -1)
+            tk.released = True
+            del live[i]
 
     def run(self) -> SimResult:
         """Replay the whole trace once.
@@ -497,6 +572,7 @@ class Simulator:
         finally:
             torch.set_num_threads(threads)
         self._tally.into(self.counters)
+        self.degraded = int(self.counters.io[IO.PREFETCH_DEGRADED])
         secs = time.perf_counter() - t0
         io = self.counters.io
         step = self.config.cost.estimate(

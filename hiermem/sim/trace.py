@@ -10,6 +10,10 @@ Format (version 1), a directory::
                              inside a batch, table after table (the KJT layout), each
                              table's ids in lookup order (duplicates kept)
     c000000.lens.npy         int64 [b, T]: ids of table ``t`` in batch ``i`` of the chunk
+    c000000.tabs.npy         (optional, chunk key "tabs") int16 [a]: the table of each id;
+                             when present the ids of each batch are in their lookup order
+                             (tables interleaved, as a multi-table lookup issued them), which
+                             the simulator needs for exact per-access recency
 
 One *batch* is one accounted lookup of the store (one ``HierarchicalStore._place``): a
 plain ``lookup`` of one table, or a multi-table lookup of a module.  ``updates`` says
@@ -74,6 +78,7 @@ class TraceWriter:
         self._lock = threading.Lock()
         self._ids: list[np.ndarray] = []
         self._lens: list[np.ndarray] = []
+        self._tabs: list[np.ndarray | None] = []
         self._buffered = 0
         self._chunks: list[dict] = []
         self.batches = 0
@@ -88,13 +93,15 @@ class TraceWriter:
         arrs = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in per_table]
         self.add_flat(np.concatenate(arrs), np.array([a.size for a in arrs], dtype=np.int64))
 
-    def add_flat(self, ids: np.ndarray, lens: np.ndarray) -> None:
-        """Append one batch given as its ids table after table and ``lens [T]``."""
+    def add_flat(self, ids: np.ndarray, lens: np.ndarray, tabs: np.ndarray | None = None) -> None:
+        """Append one batch given as its ids and ``lens [T]``: table after table, or in
+        lookup order with ``tabs`` (the table of each id)."""
         with self._lock:
             if self.closed:
                 raise InvalidArgumentError(f"{self.path}: trace writer is closed")
             self._ids.append(ids)
             self._lens.append(lens)
+            self._tabs.append(tabs)
             self._buffered += ids.size
             self.batches += 1
             self.accesses += int(ids.size)
@@ -116,6 +123,7 @@ class TraceWriter:
             with self._lock:
                 self._ids.append(ids[start:stop])
                 self._lens.append(lens[start_b:stop_b])
+                self._tabs.append(None)
                 self._buffered += stop - start
                 self.batches += stop_b - start_b
                 self.accesses += stop - start
@@ -132,9 +140,17 @@ class TraceWriter:
         name = f"c{n:06d}"
         np.save(self.path / f"{name}.ids.npy", ids, allow_pickle=False)
         np.save(self.path / f"{name}.lens.npy", lens, allow_pickle=False)
-        self._chunks.append({"ids": f"{name}.ids.npy", "lens": f"{name}.lens.npy",
-                             "batches": int(lens.shape[0]), "accesses": int(ids.size)})
-        self._ids, self._lens, self._buffered = [], [], 0
+        entry = {"ids": f"{name}.ids.npy", "lens": f"{name}.lens.npy",
+                 "batches": int(lens.shape[0]), "accesses": int(ids.size)}
+        if any(x is not None for x in self._tabs):
+            T = np.arange(len(self.tables), dtype=np.int16)
+            tabs = np.concatenate([x.astype(np.int16) if x is not None else np.repeat(np.tile(T, ln.size // T.size),
+                                                                                      ln.reshape(-1))
+                                   for x, ln in zip(self._tabs, self._lens)])
+            np.save(self.path / f"{name}.tabs.npy", tabs, allow_pickle=False)
+            entry["tabs"] = f"{name}.tabs.npy"
+        self._chunks.append(entry)
+        self._ids, self._lens, self._tabs, self._buffered = [], [], [], 0
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -175,9 +191,8 @@ class TraceRecorder(TraceWriter):
             lens[t0] = t.numel()
             self.add_flat(ids.numpy().copy(), lens)
             return
-        order = torch.argsort(t, stable=True)  # table after table, lookup order inside
         lens = torch.bincount(t, minlength=T).numpy().astype(np.int64)
-        self.add_flat(ids.index_select(0, order).numpy(), lens)
+        self.add_flat(ids.numpy().copy(), lens, t.numpy().astype(np.int16))  # lookup order kept
 
 
 @dataclass(frozen=True)
@@ -187,9 +202,11 @@ class Trace:
     Attributes:
         path: the directory.
         tables: table names.
-        ids: int64 ``[accesses]``, batch after batch, table after table inside a batch.
+        ids: int64 ``[accesses]``, batch after batch; inside a batch table after table,
+            or in lookup order when ``tabs`` is set.
         lens: int64 ``[batches, tables]``.
         updates: each batch was followed by an update of its ids.
+        tabs: int16 ``[accesses]``, the table of each id (None: table after table).
     """
 
     path: Path
@@ -197,6 +214,7 @@ class Trace:
     ids: np.ndarray
     lens: np.ndarray
     updates: bool
+    tabs: np.ndarray | None = None
 
     @property
     def num_batches(self) -> int:
@@ -213,13 +231,21 @@ class Trace:
 
     def table_of_ids(self) -> np.ndarray:
         """int64 ``[accesses]``: the table of each id."""
+        if self.tabs is not None:
+            return self.tabs.astype(np.int64)
         T = len(self.tables)
         return np.repeat(np.tile(np.arange(T, dtype=np.int64), self.num_batches), self.lens.reshape(-1))
 
     def batches(self) -> Iterator[list[np.ndarray]]:
         """Per batch, one id array per table."""
-        off = np.concatenate(([0], np.cumsum(self.lens.reshape(-1))))
         T = len(self.tables)
+        if self.tabs is not None:
+            off = self.batch_offsets
+            for i in range(self.num_batches):
+                ids, tab = self.ids[off[i]:off[i + 1]], self.tabs[off[i]:off[i + 1]]
+                yield [ids[tab == t] for t in range(T)]
+            return
+        off = np.concatenate(([0], np.cumsum(self.lens.reshape(-1))))
         for i in range(self.num_batches):
             yield [self.ids[off[i * T + t]:off[i * T + t + 1]] for t in range(T)]
 
@@ -276,7 +302,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     path = Path(path)
     doc = _read_manifest(path)
     T = len(doc["tables"])
-    ids, lens = [], []
+    ids, lens, tabs = [], [], []
     for c in doc["chunks"]:
         a = _load_npy(path / c["ids"], np.int64, 1)
         n = _load_npy(path / c["lens"], np.int64, 2)
@@ -287,11 +313,32 @@ def load_trace(path: str | os.PathLike) -> Trace:
             raise _bad(path / c["ids"], "negative ids in trace chunk")
         ids.append(a)
         lens.append(n)
+        tabs.append(_load_tabs(path, c, n, T))
     all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     all_lens = np.concatenate(lens) if lens else np.zeros((0, T), dtype=np.int64)
     if all_ids.size != doc.get("accesses") or all_lens.shape[0] != doc.get("batches"):
         raise _bad(path / MANIFEST, "totals disagree with the chunks")
-    return Trace(path, tuple(doc["tables"]), all_ids, all_lens, doc["updates"])
+    all_tabs = None
+    if any(x is not None for x in tabs):
+        Tr = np.arange(T, dtype=np.int16)
+        all_tabs = np.concatenate([x if x is not None else np.repeat(np.tile(Tr, n.shape[0]), n.reshape(-1))
+                                   for x, n in zip(tabs, lens)])
+    return Trace(path, tuple(doc["tables"]), all_ids, all_lens, doc["updates"], all_tabs)
+
+
+def _load_tabs(path: Path, chunk: dict, lens: np.ndarray, T: int) -> np.ndarray | None:
+    name = chunk.get("tabs")
+    if name is None:
+        return None
+    if not isinstance(name, str) or "/" in name:
+        raise _bad(path / MANIFEST, f"corrupt chunk entry {chunk!r}")
+    tab = _load_npy(path / name, np.int16, 1)
+    ends = np.cumsum(lens.sum(1))[:-1]
+    per = [np.bincount(x, minlength=T) for x in np.split(tab.astype(np.int64), ends)] if tab.size else []
+    if tab.size != int(lens.sum()) or (tab.size and (int(tab.min()) < 0 or int(tab.max()) >= T)) \
+            or (per and not np.array_equal(np.stack(per), lens)):
+        raise _bad(path / name, "table indices disagree with the chunk's lens")
+    return tab
 
 
 def write_trace(path: str | os.PathLike, tables: Sequence[str], ids: np.ndarray, lens: np.ndarray,

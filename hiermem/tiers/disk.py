@@ -260,6 +260,18 @@ class DiskTier:
                     raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full; the write was not made ({e})") from e
                 raise HierMemError(f"{self.path}: LMDB write failed: {e}") from e
 
+    def clear_rows(self, meta: dict | None = None) -> None:
+        """Delete every row (one transaction), keeping the environment and its metadata."""
+        meta_raw = None if meta is None else self._meta_bytes(meta)
+
+        def body(txn: lmdb.Transaction) -> None:
+            txn.drop(self.rows_db, delete=False)
+            if meta_raw is not None:
+                txn.put(META_KEY, meta_raw, db=self.meta_db)
+
+        self._write_txn(body)
+        self.sync()
+
     def sync(self) -> None:
         try:
             self.env.sync(True)

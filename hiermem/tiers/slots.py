@@ -28,13 +28,15 @@ class Rows:
     rec: torch.Tensor
     dirty: torch.Tensor
     carried: torch.Tensor | None = None
+    pins: torch.Tensor | None = None  # pin counts, carried when pinned rows move between tiers
 
     def __len__(self) -> int:
         return self.k.numel()
 
     def to(self, device: torch.device) -> "Rows":
         c = None if self.carried is None else self.carried.to(device)
-        return Rows(self.t.to(device), self.k.to(device), self.rec.to(device), self.dirty.to(device), c)
+        p = None if self.pins is None else self.pins.to(device)
+        return Rows(self.t.to(device), self.k.to(device), self.rec.to(device), self.dirty.to(device), c, p)
 
 
 class SlotTier:
@@ -86,12 +88,13 @@ class SlotTier:
         """
         rows = Rows(self.keys_t.index_select(0, slots), self.keys_k.index_select(0, slots),
                     self.data.index_select(0, slots) if with_records else self.data[:0],
-                    self.dirty.index_select(0, slots), self.policy.carry(slots))
+                    self.dirty.index_select(0, slots), self.policy.carry(slots), self.pins.index_select(0, slots))
         if unindex:
             self.index.remove_slots(self.g(slots))
         self.policy.on_remove(slots)
         self.keys_t[slots] = -1
         self.dirty[slots] = False
+        self.pins[slots] = 0
         n = slots.numel()
         self._free[self.nfree:self.nfree + n] = slots
         self.nfree += n
@@ -118,6 +121,7 @@ class SlotTier:
         self.keys_t[slots] = rows.t
         self.keys_k[slots] = rows.k
         self.dirty[slots] = rows.dirty
+        self.pins[slots] = 0 if rows.pins is None else rows.pins
         if index:
             self.index.insert(rows.t.to(self.index.device), rows.k.to(self.index.device), self.g(slots))
         if rows.carried is not None:
@@ -125,6 +129,11 @@ class SlotTier:
         else:
             self.policy.on_insert(slots, clock, counts)
         return slots
+
+    @property
+    def pinned(self) -> int:
+        """Slots holding a pinned row."""
+        return int((self.pins > 0).sum())
 
     def occupied(self) -> torch.Tensor:
         return (self.keys_t >= 0).nonzero().squeeze(1)

@@ -1,0 +1,331 @@
+"""Multi-table batched operations and prefetch pinning (a mixin of HierarchicalStore).
+
+A collection looks up all its tables in one op: every id comes with the index of its
+table, and a batch is deduplicated over the *linearised* id space (table offset + id)
+when every table is bounded, or over ``(table, id)`` pairs (two stable sorts) when one
+is unbounded.  Pooled lookups gather straight from the device tier with one
+``embedding_bag`` when every row is resident there.
+
+Prefetch (see :class:`~hiermem.PrefetchPipeline`) is ``prefetch`` -> :class:`Ticket`:
+the rows of an upcoming batch are made resident (device first) with full accounting, as
+a lookup of that batch would, and *pinned* where they land.  Pinned slots are never
+victims, and pins move with a row between tiers, so no later batch can evict a row an
+in-flight batch needs.  The batch's own lookup then finds its rows resident (counting
+prefetch hits, no second residency accounting); ``release`` unpins after its update.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError, NonFiniteGradientError
+from .stats import IO, timed
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass
+class Ticket:
+    """The distinct rows of one prefetched batch, pinned until :meth:`release`.
+
+    ``pinned`` is False when the prefetch was refused (no room beside the rows already
+    pinned: the batch is then looked up normally) or revoked (a batch that was not
+    prefetched needed the room); ``on_device`` tells whether every row landed on the
+    device tier.
+    """
+
+    t: torch.Tensor
+    k: torch.Tensor
+    ids: int
+    pinned: bool
+    on_device: bool
+    accounted: bool  # the prefetch placed and accounted the batch (its lookup must not again)
+    released: bool = False
+
+    def __len__(self) -> int:
+        return self.k.numel()
+
+
+class BatchedOps:
+    """Multi-table lookups, fused pooled updates and pinning; mixed into HierarchicalStore."""
+
+    # -- validation and dedup --------------------------------------------------------
+    def _setup_batched(self) -> None:
+        d = self.device
+        self.max_dim = max(s.dim for s in self.tables)
+        self._max_ids = torch.tensor([s.max_id for s in self.tables], dtype=torch.int64, device=d)
+        sizes = [s.num_rows for s in self.tables]
+        self._linear = None
+        if all(n is not None for n in sizes) and sum(sizes) < 2**62:
+            self._linear = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64, device=d)
+        self._multi_memo: tuple | None = None
+        self._live_tickets: list[Ticket] = []  # pinned, not yet released
+
+    def _multi_ids(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validated ``(table index, id)`` per id, int64 on the store's device."""
+        for name, v in (("tables", tables), ("ids", ids)):
+            if not isinstance(v, torch.Tensor):
+                raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
+            if v.dtype not in _INT_DTYPES:
+                raise InvalidTypeError(f"{name} must have an integer dtype, got {v.dtype}")
+            if v.dim() != 1:
+                raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(v.shape)}")
+        if tables.numel() != ids.numel():
+            raise InvalidArgumentError(f"tables ({tables.numel()}) and ids ({ids.numel()}) differ in length")
+        t = tables.to(self.device, torch.int64)
+        k = ids.to(self.device, torch.int64)
+        if k.numel():
+            if int(t.min()) < 0 or int(t.max()) >= len(self.tables):
+                raise InvalidArgumentError(f"table indices must be in [0, {len(self.tables)})")
+            bad = (k < 0) | (k > self._max_ids.index_select(0, t))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                spec = self.tables[int(t[i])]
+                rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
+                raise InvalidIdError(f"table {spec.name}: id {int(k[i])} outside {rng}")
+        return t, k
+
+    def _batch_multi(self, t: torch.Tensor, k: torch.Tensor):
+        """Deduplicate ids of several tables at once (a :class:`~hiermem.store.Batch`)."""
+        from .store import Batch
+
+        n = k.numel()
+        if self._linear is not None:
+            lin = self._linear.index_select(0, t) + k
+            u, inverse, counts = torch.unique(lin, sorted=True, return_inverse=True, return_counts=True)
+            ut = torch.searchsorted(self._linear, u, right=True) - 1
+            uk = u - self._linear.index_select(0, ut)
+        else:  # lexicographic (table, id) order from two stable sorts
+            o1 = torch.argsort(k, stable=True)
+            o = o1.index_select(0, torch.argsort(t.index_select(0, o1), stable=True))
+            ts, ks = t.index_select(0, o), k.index_select(0, o)
+            new = torch.ones(n, dtype=torch.bool, device=k.device)
+            new[1:] = (ts[1:] != ts[:-1]) | (ks[1:] != ks[:-1])
+            gid = torch.cumsum(new, 0) - 1
+            inverse = torch.empty_like(gid).index_copy_(0, o, gid)
+            ut, uk = ts[new], ks[new]
+            counts = torch.bincount(gid, minlength=ut.numel())
+        lastpos = torch.zeros(uk.numel(), dtype=torch.int64, device=k.device)
+        lastpos.scatter_reduce_(0, inverse, torch.arange(n, device=k.device), "amax", include_self=False)
+        return Batch(ut, uk, inverse, counts, lastpos, n)
+
+    def _locate(self, b):
+        """Placement of resident rows without moving anything (None if one is not resident)."""
+        from .store import Placement
+
+        g = self._keys.find(b.t, b.k)
+        if bool((g < 0).any()):
+            return None
+        D = self._dev.capacity
+        on_dev = g < D
+        if bool(on_dev.all()):
+            return Placement(None, g)
+        return Placement(on_dev, torch.where(on_dev, g, g - D))
+
+    # -- prefetch and pins -------------------------------------------------------------
+    def _pin(self, p, delta: int) -> None:
+        for tier, slots, _ in self._parts(p):
+            tier.pins[slots] += delta
+
+    def prefetch(self, tables: torch.Tensor, ids: torch.Tensor) -> Ticket:
+        """Make the rows of an upcoming batch resident (device first) and pin them.
+
+        Residency is accounted here, exactly as the batch's lookup would account it; the
+        lookup given the returned ticket then counts prefetch hits instead.  When the
+        rows cannot all be made resident beside the rows already pinned, nothing is
+        pinned (``ticket.pinned`` is False, counted in ``PREFETCH_DEGRADED``); it never
+        raises for lack of room.
+
+        Args:
+            tables: table index of each id (int, 1-D).
+            ids: the ids (int, 1-D), duplicates allowed.
+        """
+        with self._lock:
+            self._check_open()
+            t, k = self._multi_ids(tables, ids)
+            if k.numel() == 0:
+                return Ticket(t[:0], k[:0], 0, True, True, True)
+            b = self._batch_multi(t, k)
+            if self._recorder is not None:  # traces keep batch order, refused prefetches too (hiermem.sim)
+                self._recorder.record(b)
+            self.counters.add_io(IO.PREFETCH_REQUESTS, 1)
+            pinned = int((self._dev.pins > 0).sum()) + int((self._host.pins > 0).sum())
+            # admission: leave room for one more batch like this one beside every pinned row
+            if pinned + 2 * b.k.numel() > self._dev.capacity + self._host.capacity:
+                self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
+                return Ticket(b.t, b.k, b.n, False, False, False)
+            g0 = self._keys.find(b.t, b.k)
+            was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
+            try:
+                p = self._place(b, account=True, record=False)
+            except CapacityError:  # nothing changed
+                self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
+                return Ticket(b.t, b.k, b.n, False, False, False)
+            self._pin(p, 1)
+            on_dev = p.on_device is None
+            now_dev = torch.ones_like(was_dev) if on_dev else p.on_device
+            self.counters.add_io(IO.PREFETCHED_ROWS, int((now_dev & ~was_dev).sum()))
+            self.counters.add_io(IO.PREFETCHED_BATCHES, 1)
+            self.counters.add_io(IO.PREFETCH_PINNED_ROWS, b.k.numel())
+            if not on_dev:
+                self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
+            ticket = Ticket(b.t, b.k, b.n, True, on_dev, True)
+            self._live_tickets.append(ticket)
+            return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """Unpin the rows of a prefetched batch (idempotent)."""
+        with self._lock:
+            if ticket.released:
+                return
+            ticket.released = True
+            if not ticket.pinned or not len(ticket) or self._closed:
+                return
+            self._unpin(ticket)
+            self._live_tickets = [x for x in self._live_tickets if x is not ticket]
+
+    def _unpin(self, ticket: Ticket) -> None:
+        g = self._keys.find(ticket.t, ticket.k)
+        assert bool((g >= 0).all()), "a pinned row is not resident"
+        D = self._dev.capacity
+        on_dev = g < D
+        self._dev.pins[g[on_dev]] -= 1
+        hs = (g[~on_dev] - D).cpu()
+        self._host.pins[hs] -= 1
+
+    def revoke_prefetches(self) -> int:
+        """Unpin every outstanding prefetch (their batches are then looked up as if not
+        prefetched, without being accounted twice); returns how many were revoked."""
+        with self._lock:
+            live = [x for x in self._live_tickets if x.pinned and not x.released]
+            for x in live:
+                self._unpin(x)
+                x.pinned = False
+            self._live_tickets = []
+            self.counters.add_io(IO.PREFETCH_REVOKED, len(live))
+            return len(live)
+
+    def _place_batch(self, b, ticket: Ticket | None):
+        """Placement for a lookup: accounted, or, for a pinned ticket, its resident rows
+        (moved up to the device when they are not there, without accounting)."""
+        if ticket is None or not ticket.pinned:
+            account = ticket is None or not ticket.accounted
+            try:  # a prefetched batch was recorded when it was prefetched
+                return self._place(b, account=account, record=ticket is None)
+            except CapacityError:  # later batches' pins hold the room this batch needs
+                if not self.revoke_prefetches():
+                    raise
+                return self._place(b, account=account, record=ticket is None)
+        g = self._keys.find(b.t, b.k)
+        in_dev = (g >= 0) & (g < self._dev.capacity)
+        self.counters.add_io(IO.PREFETCH_HITS, int(b.counts[in_dev].sum()))
+        if bool(in_dev.all()):
+            from .store import Placement
+
+            return Placement(None, g)
+        return self._place(b, account=False)
+
+    # -- pooled multi-table ops ---------------------------------------------------------
+    @timed("lookup_seconds")
+    def lookup_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str = "sum",
+                    per_sample_weights: torch.Tensor | None = None, ticket: Ticket | None = None) -> torch.Tensor:
+        """Pooled rows of bags over several tables: ``[len(offsets), max_dim]``.
+
+        Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]``, all of one table (``tables``
+        gives each id's table index); columns past a table's ``dim`` are meaningless.
+        One gather-and-pool op when every row is on the device tier.
+
+        Args:
+            ticket: the :meth:`prefetch` ticket of this batch, if it was prefetched.
+        """
+        with self._lock:
+            self._check_open()
+            t, k = self._multi_ids(tables, ids)
+            n = k.numel()
+            offsets = self._offsets(n, offsets)
+            bag, scale = self._bags(n, offsets, mode, per_sample_weights)
+            D = self.max_dim
+            if n == 0:
+                return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
+            b = self._batch_multi(t, k)
+            p = self._place_batch(b, ticket)
+            self._multi_memo = (ids, ids._version, tables, b, p, self._epoch)
+            if p.on_device is None:
+                src = self._dev.data if D == self._dev.width else self._dev.data[:, :D]
+                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
+                                       per_sample_weights=None if per_sample_weights is None else scale)
+            rows = self._gather(p, D).index_select(0, b.inverse)
+            if scale is not None:
+                rows = rows * scale.unsqueeze(1)
+            out = torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
+            return out.index_add_(0, bag, rows)
+
+    @timed("update_seconds")
+    def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
+                    mode: str = "sum", per_sample_weights: torch.Tensor | None = None,
+                    ticket: Ticket | None = None) -> None:
+        """The backward of :meth:`lookup_bags` fused with the optimizer step.
+
+        ``grad [len(offsets), max_dim]`` is the gradient of the pooled bags (columns past
+        a table's dim are ignored).  Each distinct row takes one optimizer step with the
+        sum of its ids' gradients, in place in its tier; NaN/inf is refused first.
+        """
+        with self._lock:
+            self._check_open()
+            t, k = self._multi_ids(tables, ids)
+            n = k.numel()
+            offsets = self._offsets(n, offsets)
+            bag, scale = self._bags(n, offsets, mode, per_sample_weights)
+            D = self.max_dim
+            if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() \
+                    or tuple(grad.shape) != (offsets.numel(), D):
+                raise InvalidArgumentError(f"grad must be a float tensor of shape {(offsets.numel(), D)}")
+            if n == 0:
+                return
+            g_ids = grad.detach().to(self.device, torch.float32).index_select(0, bag)
+            if scale is not None:
+                g_ids.mul_(scale.unsqueeze(1))
+            self._update_multi(tables, ids, t, k, g_ids, ticket)
+
+    def _update_multi(self, tables, ids, t, k, g_ids, ticket) -> None:
+        m = self._multi_memo
+        if m is not None and m[0] is ids and m[1] == ids._version and m[2] is tables and m[5] == self._epoch:
+            b, p = m[3], m[4]
+        else:
+            b = self._batch_multi(t, k)
+            p = self._locate(b) if ticket is not None and ticket.pinned else None
+        g = torch.zeros((b.k.numel(), g_ids.shape[1]), dtype=torch.float32, device=self.device)
+        g.index_add_(0, b.inverse, g_ids)
+        if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
+            raise NonFiniteGradientError("gradients contain NaN or inf (or their per-row sums overflow); "
+                                         "nothing changed")
+        if p is None:
+            try:
+                p = self._place(b, account=False)
+            except CapacityError:
+                if not self.revoke_prefetches():
+                    raise
+                p = self._place(b, account=False)
+        # one optimizer call per group of tables with the same dim, width and step count
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        present = torch.unique(b.t).tolist()
+        for ti in present:
+            self._steps[ti] += 1
+            groups[(self.tables[ti].dim, self.widths[ti], self._steps[ti])].append(ti)
+        for (dim, width, step), tis in groups.items():
+            sel = None if len(tis) == len(present) else torch.isin(b.t, torch.tensor(tis, device=b.t.device))
+            for tier, slots, idx in self._parts(p):
+                gi = g if idx is None else g.index_select(0, idx)
+                if sel is not None:
+                    si = sel if idx is None else sel.index_select(0, idx)
+                    slots, gi = slots[si.to(slots.device)], gi[si]
+                gi = gi[:, :dim].to(tier.device)
+                self.optimizer.apply_slots(tier.data, slots, gi, dim, width, step)
+                tier.dirty[slots] = True
+        self.counters.add_io(IO.UPDATES, 1)
+        self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())

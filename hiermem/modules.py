@@ -1,0 +1,210 @@
+"""CachedEmbeddingBagCollection: many embedding-bag tables over one hierarchical store.
+
+The forward looks up every table of a batch in one op (the store dedups the whole batch
+over its linearised id space and gathers and pools straight from the device tier); the
+autograd backward hands the pooled gradient to the store, which applies its optimizer
+to the cached rows in place (FBGEMM's fused backward-optimizer).  No gradient tensor for
+the tables is ever returned to autograd: they have no ``.grad``, and dense layers train
+beside them with any torch optimizer.  Per-id gradients exist only transiently inside
+the store's update, as ``[distinct rows, dim]``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .batched import Ticket
+from .errors import InvalidArgumentError, InvalidTypeError
+from .features import SparseFeatures
+from .store import HierarchicalStore
+from .types import StoreConfig, TableSpec
+
+_MODES = ("sum", "mean")
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Forward: ``store.lookup_bags``; backward: ``store.update_bags`` (optimizer fused)."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, tables, ids, offsets, weights, pending):  # noqa: D417
+        ticket = pending.ticket() if pending is not None else None
+        out = module.store.lookup_bags(tables, ids, offsets, module.mode, weights, ticket=ticket)
+        if pending is not None:
+            pending.looked_up()
+        ctx.module, ctx.pending, ctx.ticket = module, pending, ticket
+        ctx.args = (tables, ids, offsets, weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        tables, ids, offsets, weights = ctx.args
+        module = ctx.module
+        try:
+            module.store.update_bags(tables, ids, offsets, grad.contiguous(), module.mode, weights, ticket=ctx.ticket)
+        finally:
+            if ctx.pending is not None:
+                ctx.pending.release()
+            ctx.args = None
+        return (None,) * 7
+
+
+class CachedEmbeddingBagCollection(nn.Module):
+    """Embedding-bag tables larger than device memory, over a :class:`HierarchicalStore`.
+
+    Args:
+        tables: the tables; each reads the feature of the same name.
+        config: the store's configuration (tiers, policy, optimizer, path).
+        mode: pooling, ``"sum"`` or ``"mean"`` (as ``nn.EmbeddingBag``).
+        store: an open store to use instead of creating one from ``config``.
+
+    Input is :class:`SparseFeatures` (or a torchrec ``KeyedJaggedTensor``) with one key
+    per table, in any order; output ``[B, sum(dims)]`` in table order, or a dict per
+    table with ``as_dict=True``.  Per-sample weights (``SparseFeatures.weights``) scale
+    ids in ``"sum"`` mode and are treated as constants.
+
+    Thread-safety: calls go through the store's lock; a :class:`PrefetchPipeline` may
+    prefetch on its thread while the module trains on the caller's.
+    """
+
+    def __init__(self, tables: Sequence[TableSpec], config: StoreConfig | None = None, mode: str = "sum",
+                 store: HierarchicalStore | None = None):
+        super().__init__()
+        if mode not in _MODES:
+            raise InvalidArgumentError(f"mode must be one of {_MODES}, got {mode!r}")
+        if (store is None) == (config is None):
+            raise InvalidArgumentError("give exactly one of config and store")
+        self.store = store if store is not None else HierarchicalStore(tables, config)
+        self.tables = tuple(self.store.tables)
+        if [s.to_dict() for s in self.tables] != [s.to_dict() for s in tables]:
+            raise InvalidArgumentError("the store's tables differ from the tables given")
+        self.mode = mode
+        self.dims = [s.dim for s in self.tables]
+        self.names = [s.name for s in self.tables]
+        self._pending: dict[int, object] = {}  # id(features) -> a PrefetchPipeline's handle
+        self._cols: dict[tuple, torch.Tensor] = {}
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def from_embedding_bags(cls, bags: Mapping[str, nn.EmbeddingBag], config: StoreConfig,
+                            chunk_rows: int = 1 << 20) -> "CachedEmbeddingBagCollection":
+        """Convert ``{name: nn.EmbeddingBag}`` (same mode) into a collection with their weights."""
+        if not bags:
+            raise InvalidArgumentError("no embedding bags given")
+        modes = {b.mode for b in bags.values()}
+        if len(modes) != 1 or not modes <= set(_MODES):
+            raise InvalidArgumentError(f"every bag needs the same mode, sum or mean; got {sorted(modes)}")
+        for name, b in bags.items():
+            if not isinstance(b, nn.EmbeddingBag):
+                raise InvalidTypeError(f"{name}: expected nn.EmbeddingBag, got {type(b).__name__}")
+        tables = [TableSpec(n, b.num_embeddings, b.embedding_dim) for n, b in bags.items()]
+        m = cls(tables, config, mode=modes.pop())
+        st = m.store
+        for name, b in bags.items():
+            w = b.weight.detach()
+            width = st.widths[st.table_index(name)]
+            for i in range(0, w.shape[0], chunk_rows):
+                part = w[i:i + chunk_rows]
+                rec = torch.full((part.shape[0], width), st.optimizer.state_init(), dtype=torch.float32)
+                rec[:, :part.shape[1]] = part
+                st.import_records(name, torch.arange(i, i + part.shape[0]), rec)
+        return m
+
+    @classmethod
+    def restore(cls, checkpoint: str | os.PathLike, path: str | os.PathLike, mode: str = "sum",
+                **overrides) -> "CachedEmbeddingBagCollection":
+        """A collection over a copy of the store checkpoint ``checkpoint``, placed at ``path``."""
+        store = HierarchicalStore.restore(checkpoint, path, **overrides)
+        return cls(store.tables, mode=mode, store=store)
+
+    def checkpoint(self, dest: str | os.PathLike) -> Path:
+        """A consistent snapshot of every table across all tiers (see ``HierarchicalStore.checkpoint``)."""
+        return self.store.checkpoint(dest)
+
+    # -- forward ------------------------------------------------------------------------
+    def _features(self, features) -> SparseFeatures:
+        if isinstance(features, SparseFeatures):
+            f = features
+        elif hasattr(features, "keys") and hasattr(features, "lengths") and hasattr(features, "values"):
+            f = SparseFeatures.from_kjt(features)  # torchrec.KeyedJaggedTensor
+        else:
+            raise InvalidTypeError(f"expected SparseFeatures or a KeyedJaggedTensor, got {type(features).__name__}")
+        if set(f.keys) != set(self.names):
+            raise InvalidArgumentError(f"features {sorted(f.keys)} do not match tables {sorted(self.names)}")
+        return f
+
+    def _columns(self, keys: tuple[str, ...]) -> torch.Tensor | None:
+        """Columns of ``[B, len(keys) * max_dim]`` that form the output in table order."""
+        ck = keys
+        if ck not in self._cols:
+            D = self.store.max_dim
+            pos = {k: i for i, k in enumerate(keys)}
+            cols = [torch.arange(d) + pos[n] * D for n, d in zip(self.names, self.dims)]
+            c = torch.cat(cols)
+            same = c.numel() == len(keys) * D and bool((c == torch.arange(c.numel())).all())
+            self._cols[ck] = None if same else c.to(self.store.device)
+        return self._cols[ck]
+
+    def forward(self, features, as_dict: bool = False):
+        """Pooled embeddings ``[B, sum(dims)]`` (table order), or ``{table: [B, dim]}``."""
+        pending = self._pending.pop(id(features), None)
+        f = self._features(features)
+        dev = self.store.device
+        B, T = f.batch_size, len(f.keys)
+        index = {n: i for i, n in enumerate(self.names)}
+        key_t = torch.tensor([index[k] for k in f.keys], dtype=torch.int64)
+        ids = f.values.to(dev, torch.int64)
+        tables = torch.repeat_interleave(key_t, f.key_lengths().cpu()).to(dev)
+        offsets = f.offsets()[:-1].to(dev)
+        weights = None if f.weights is None else f.weights.to(dev, torch.float32)
+        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+        pooled = _PooledLookup.apply(anchor, self, tables, ids, offsets, weights, pending)
+        if pending is not None and not pooled.requires_grad:  # no backward will run: unpin now
+            pending.release()
+        D = self.store.max_dim
+        flat = pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
+        cols = self._columns(f.keys)
+        out = flat if cols is None else flat.index_select(1, cols)
+        if not as_dict:
+            return out
+        return dict(zip(self.names, torch.split(out, self.dims, dim=1)))
+
+    # -- state ---------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for s in self.tables:
+            ids, rec = self.store.export(s.name)
+            destination[f"{prefix}{s.name}.ids"] = ids
+            destination[f"{prefix}{s.name}.weight"] = rec[:, :s.dim].clone()
+            destination[f"{prefix}{s.name}.optimizer_state"] = rec[:, s.dim:].clone()
+            destination[f"{prefix}{s.name}.step"] = torch.tensor(self.store._steps[self.store.table_index(s.name)])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        parts = ("ids", "weight", "optimizer_state", "step")
+        want = {f"{prefix}{s.name}.{p}" for s in self.tables for p in parts}
+        missing = sorted(want - set(state_dict))
+        if missing:
+            missing_keys.extend(missing)
+            return
+        for s in self.tables:
+            ids, w, st = (state_dict[f"{prefix}{s.name}.{p}"] for p in parts[:3])
+            sw = self.store.widths[self.store.table_index(s.name)] - s.dim
+            if w.dim() != 2 or w.shape[1] != s.dim or st.shape != (w.shape[0], sw) or ids.shape != (w.shape[0],):
+                error_msgs.append(f"{prefix}{s.name}: shapes ids {tuple(ids.shape)}, weight {tuple(w.shape)}, "
+                                  f"optimizer_state {tuple(st.shape)} do not fit dim {s.dim} + state {sw}")
+        if error_msgs:
+            return
+        self.store.clear()
+        for s in self.tables:
+            ids, w, st, step = (state_dict[f"{prefix}{s.name}.{p}"] for p in parts)
+            self.store.import_records(s.name, ids.to(torch.int64), torch.cat((w, st), 1).to(torch.float32))
+            self.store._steps[self.store.table_index(s.name)] = int(step)
+        self.store.flush()
+
+    def extra_repr(self) -> str:
+        return f"tables={self.names}, mode={self.mode}, store={self.store!r}"

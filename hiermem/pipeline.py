@@ -1,0 +1,292 @@
+"""PrefetchPipeline: read a data loader ahead and bring upcoming batches' rows up the hierarchy.
+
+With depth ``k`` the store sees, in this order (the same order the simulator replays):
+``P(0) .. P(k-1)``, then per step ``i``: ``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)`` —
+prefetch-and-pin, lookup, fused update, unpin.  ``P(i+k)`` runs on a background thread
+while step ``i`` computes its dense layers (on a side CUDA stream when the device is a
+GPU; the host tier is pinned memory then), and ``L(i+1)`` waits for the thread to be
+idle, so every store operation happens in one fixed order and a run is deterministic
+whatever the thread timing.  Pins keep an in-flight batch's rows resident, so a later
+prefetch can never evict them; when pinned rows fill the device tier a prefetch lands
+rows in the host tier (still pinned) or, if even that fails, pins nothing and the batch
+is looked up normally: a smaller effective depth, counted, never an error or a deadlock.
+
+Thread-safety: the loader is iterated on the caller's thread; only store calls run on
+the background thread, under the store's lock.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .batched import Ticket
+from .errors import InvalidArgumentError
+from .features import SparseFeatures
+from .stats import IO
+
+
+def find_features(batch: Any) -> Any:
+    """The :class:`SparseFeatures` (or KJT) in a batch: the batch itself, or an element
+    of a tuple/list, or a value of a dict."""
+    if isinstance(batch, SparseFeatures) or _is_kjt(batch):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    for x in items:
+        if isinstance(x, SparseFeatures) or _is_kjt(x):
+            return x
+    raise InvalidArgumentError(f"no SparseFeatures in the batch ({type(batch).__name__}); pass features=")
+
+
+def _is_kjt(x: Any) -> bool:
+    return type(x).__name__ == "KeyedJaggedTensor"
+
+
+class _Worker:
+    """One background thread running store jobs in submission order."""
+
+    def __init__(self, device: torch.device):
+        self._q: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._submitted = 0
+        self._done = 0
+        self._error: BaseException | None = None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="hiermem-prefetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._submitted += 1
+        self._q.put(fn)
+
+    def _run(self) -> None:
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else None
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            try:
+                if ctx is not None:
+                    with torch.cuda.stream(self._stream):
+                        fn()
+                else:
+                    fn()
+            except BaseException as e:  # surfaced on the training thread at its next wait
+                self._error = e
+            with self._cv:
+                self._done += 1
+                self._cv.notify_all()
+
+    def busy(self) -> bool:
+        with self._cv:
+            return self._done < self._submitted
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._done >= self._submitted, timeout):
+                raise TimeoutError("prefetch thread did not finish its jobs in time")
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=60)
+
+
+@dataclass(eq=False)
+class _Handle:
+    """One batch's prefetch: its ticket once ``P`` ran, and what to do after its lookup."""
+
+    pipe: "PrefetchPipeline"
+    features: Any
+    tables: torch.Tensor
+    ids: torch.Tensor
+    result: Ticket | None = None
+    submitted: bool = False
+    next: "_Handle | None" = None  # the batch k steps later, prefetched after this lookup
+    released: bool = False
+    looked: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    # called by the module ----------------------------------------------------------------
+    def ticket(self) -> Ticket | None:
+        """Wait until every earlier store job is done; this batch's ticket (None if it
+        was never prefetched)."""
+        p = self.pipe
+        late = self.submitted and not self.done.is_set()
+        t0 = time.perf_counter()
+        p._worker.wait_idle(p.timeout)
+        p.wait_seconds += time.perf_counter() - t0
+        if late and self.result is not None:
+            with p.store._lock:
+                p.store.counters.add_io(IO.LATE_PREFETCHES, len(self.result))
+            p.late_batches += 1
+        p._effective_depth(self)
+        return self.result
+
+    def looked_up(self) -> None:
+        self.looked = True
+        # a pinned batch cannot lose its rows to the next prefetch: start it now, while
+        # this step computes; an unpinned one would, so its successor waits for release
+        if self.next is not None and self.result is not None and self.result.pinned:
+            self.pipe._submit(self.next)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        ticket = self.result
+        if ticket is not None:
+            self.pipe._worker.submit(lambda: self.pipe.store.release(ticket))
+        if self.next is not None:
+            self.pipe._submit(self.next)  # no-op when already submitted
+
+
+class PrefetchPipeline:
+    """Iterate ``loader`` with its batches' rows prefetched ``depth`` batches ahead.
+
+    Args:
+        loader: any iterable of batches; each holds a :class:`SparseFeatures` (found by
+            ``features``, default :func:`find_features`).
+        module: the :class:`CachedEmbeddingBagCollection` the batches go through.
+        depth: how many batches ahead to prefetch (>= 1).
+        features: ``batch -> SparseFeatures`` when the default cannot find them.
+        timeout: seconds a step waits for the prefetch thread before ``TimeoutError``.
+
+    Yields the loader's batches unchanged.  Use as a context manager (or call
+    :meth:`close`) so pins are released and the thread stops.
+    """
+
+    def __init__(self, loader: Iterable, module, depth: int = 2, features: Callable[[Any], Any] | None = None,
+                 timeout: float | None = 600.0):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise InvalidArgumentError(f"depth must be an int >= 1, got {depth!r}")
+        self.module, self.store, self.depth = module, module.store, depth
+        self.timeout = timeout
+        self._features = features or find_features
+        self._it = iter(loader)
+        self._ahead: deque = deque()  # (batch, handle) read but not yet yielded
+        self._live: deque = deque()  # handles yielded, not yet released
+        self._recent: deque = deque(maxlen=depth)  # the last `depth` handles read
+        self._exhausted = False
+        self._worker = _Worker(self.store.device)
+        self.wait_seconds = 0.0
+        self.late_batches = 0
+        self.steps = 0
+        self._depth_sum = 0
+        self.min_effective_depth = depth
+        self._closed = False
+        self._fill()
+
+    # -- internals ---------------------------------------------------------------------
+    def _read(self) -> bool:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._exhausted = True
+            return False
+        f = self._features(batch)
+        sf = self.module._features(f)
+        index = {n: i for i, n in enumerate(self.module.names)}
+        key_t = torch.tensor([index[k] for k in sf.keys], dtype=torch.int64)
+        h = _Handle(self, f, torch.repeat_interleave(key_t, sf.key_lengths().cpu()), sf.values.to(torch.int64))
+        self.module._pending[id(f)] = h
+        if len(self._recent) < self.depth:  # the first k batches are prefetched at once
+            self._submit(h)
+        else:  # batch j is prefetched right after the lookup of batch j - depth
+            prev = self._recent[0]
+            if prev.looked or prev.released:
+                self._submit(h)
+            else:
+                prev.next = h
+        self._recent.append(h)
+        self._ahead.append((batch, h))
+        return True
+
+    def _submit(self, h: _Handle) -> None:
+        if h.submitted:
+            return
+        h.submitted = True
+
+        def job():
+            try:
+                h.result = self.store.prefetch(h.tables, h.ids)
+            finally:
+                h.done.set()
+        self._worker.submit(job)
+
+    def _fill(self) -> None:
+        while not self._exhausted and len(self._ahead) < self.depth + 1:
+            self._read()
+
+    # -- iteration -------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._closed:
+            raise StopIteration
+        while self._live:  # batches whose backward never ran (eval, skipped): unpin them
+            h = self._live.popleft()
+            self.module._pending.pop(id(h.features), None)
+            if not h.looked and h.next is not None:
+                self._submit(h.next)
+            h.release()
+        self._fill()
+        if not self._ahead:
+            self.close()
+            raise StopIteration
+        batch, h = self._ahead.popleft()
+        self._live.append(h)
+        self.steps += 1
+        return batch
+
+    def _effective_depth(self, h: _Handle) -> None:
+        """Batches among this one and the next ``depth - 1`` held entirely on the device."""
+        hs = [h] + [a for _, a in list(self._ahead)[:self.depth - 1]]
+        eff = sum(1 for a in hs if a.result is not None and a.result.pinned and a.result.on_device)
+        self._depth_sum += eff
+        if len(hs) == self.depth:  # the last batches of a finite loader have fewer ahead
+            self.min_effective_depth = min(self.min_effective_depth, eff)
+
+    def stats(self) -> dict:
+        """Pipeline counters: steps, seconds waited for prefetch, late batches, effective depth."""
+        st = self.store.stats()["_store"]
+        return {"steps": self.steps, "depth": self.depth, "wait_seconds": self.wait_seconds,
+                "late_batches": self.late_batches, "min_effective_depth": self.min_effective_depth,
+                "mean_effective_depth": self._depth_sum / max(1, self.steps),
+                "prefetched_batches": st["prefetched_batches"], "prefetch_degraded": st["prefetch_degraded"],
+                "prefetched_rows": st["prefetched_rows"], "prefetch_hits": st["prefetch_hits"],
+                "late_prefetches": st["late_prefetches"]}
+
+    def close(self) -> None:
+        """Release every pin and stop the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in list(self._live) + [h for _, h in self._ahead]:
+            self.module._pending.pop(id(h.features), None)
+            h.next = None
+            h.release()
+        self._live.clear()
+        self._ahead.clear()
+        try:
+            self._worker.wait_idle(self.timeout)
+        finally:
+            self._worker.close()
+
+    def __enter__(self) -> "PrefetchPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

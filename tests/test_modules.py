@@ -1,0 +1,300 @@
+"""CachedEmbeddingBagCollection and PrefetchPipeline: exact against plain nn.EmbeddingBag
+training, pins under pressure, state dicts, checkpoints across a SIGKILL, thread stress."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hiermem as hm
+from hiermem.dlrm import DLRM, PlainEmbeddingBags
+
+T, R, DIM, B = 4, 120, 8, 24
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    """No test here may hang: dump every thread's stack and exit after 240 s."""
+    faulthandler.dump_traceback_later(240, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _tables():
+    return [hm.TableSpec(f"t{i}", R, DIM) for i in range(T)]
+
+
+def _batches(n, seed=1, weights=False):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        lengths = torch.randint(0, 4, (T * B,), generator=g)
+        vals = (torch.rand(int(lengths.sum()), generator=g) ** 2 * R).long()  # skewed: hot rows repeat
+        w = torch.rand(vals.numel(), generator=g) + 0.5 if weights else None
+        dense = torch.randn(B, 13, generator=g)
+        labels = (torch.rand(B, generator=g) < 0.3).float()
+        yield dense, hm.SparseFeatures(tuple(f"t{i}" for i in range(T)), vals, lengths, w), labels
+
+
+class RowWiseAdagradRef:
+    """FBGEMM's row-wise Adagrad on nn.EmbeddingBag sparse gradients (the reference)."""
+
+    def __init__(self, params, lr, eps):
+        self.params, self.lr, self.eps = list(params), lr, eps
+        self.acc = [torch.zeros(p.shape[0]) for p in self.params]
+
+    def step(self):
+        for p, acc in zip(self.params, self.acc):
+            g = p.grad.coalesce()
+            i, v = g.indices()[0], g.values()
+            acc[i] += v.square().mean(1)
+            p.data[i] -= self.lr * v / (acc[i].sqrt() + self.eps).unsqueeze(1)
+            p.grad = None
+
+
+def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=260, policy="lru", mode="sum",
+           weights=False):
+    """Train the DLRM; returns (losses, final weights per table, pipeline stats)."""
+    torch.manual_seed(0)
+    plain = PlainEmbeddingBags(_tables(), mode=mode)  # same initial rows for every kind
+    lr, eps = 0.05, 1e-8
+    if kind == "plain":
+        emb = plain
+        eopt = torch.optim.SGD(plain.parameters(), lr=lr) if opt_name == "sgd" else \
+            RowWiseAdagradRef(plain.parameters(), lr, eps)
+    else:
+        opt = hm.SGD(lr=lr) if opt_name == "sgd" else hm.RowWiseAdagrad(lr=lr, eps=eps)
+        cfg = hm.StoreConfig(path=tmp_path / f"{kind}-{opt_name}-{depth}-{policy}", device_rows=device_rows,
+                             host_rows=host_rows, policy=policy, optimizer=opt)
+        emb = hm.CachedEmbeddingBagCollection.from_embedding_bags(dict(plain.bags.items()), cfg)
+        eopt = None
+    torch.manual_seed(1)
+    model = DLRM(emb, T, DIM, bottom=(16,), top=(16,))
+    dopt = torch.optim.SGD(model.dense_parameters(), lr=0.05)
+    data = _batches(steps, weights=weights)
+    pipe = hm.PrefetchPipeline(data, emb, depth=depth) if depth else None
+    losses = []
+    for dense, feats, labels in (pipe if pipe else data):
+        loss = nn.functional.binary_cross_entropy_with_logits(model(dense, feats), labels)
+        dopt.zero_grad()
+        if eopt is not None and opt_name == "sgd":
+            eopt.zero_grad()
+        loss.backward()
+        dopt.step()
+        if eopt is not None:
+            eopt.step()
+        losses.append(float(loss.detach()))
+    stats = pipe.stats() if pipe else None
+    if kind == "plain":
+        final = {n: b.weight.detach().clone() for n, b in plain.bags.items()}
+    else:
+        emb.store.audit()
+        final = {n: emb.store.lookup(n, torch.arange(R)) for n in emb.names}
+        assert int(emb.store._dev.pins.sum()) == 0 and int(emb.store._host.pins.sum()) == 0
+        emb.store.close()
+    return losses, final, stats
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad"])
+def test_dlrm_training_equals_plain_embedding_bags(tmp_path, opt_name):
+    steps = 50
+    ref_losses, ref_final, _ = _train("plain", opt_name, steps, tmp_path)
+    assert ref_losses[-1] != ref_losses[0]
+    for depth, policy in ((0, "lru"), (1, "lru"), (4, "lfu"), (2, "lfu")):
+        losses, final, stats = _train("hm", opt_name, steps, tmp_path, depth=depth, policy=policy)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6, err_msg=f"depth {depth} {policy}")
+        for n in ref_final:
+            torch.testing.assert_close(final[n], ref_final[n], rtol=1e-5, atol=1e-5)
+        if depth:
+            assert stats["prefetched_batches"] > 0 and stats["prefetch_hits"] > 0
+
+
+def test_mean_mode_and_per_sample_weights_equal_plain(tmp_path):
+    for mode, weights in (("mean", False), ("sum", True)):
+        ref, ref_final, _ = _train("plain", "sgd", 20, tmp_path, mode=mode, weights=weights)
+        got, final, _ = _train("hm", "sgd", 20, tmp_path / mode, depth=2, mode=mode, weights=weights)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+        for n in ref_final:
+            torch.testing.assert_close(final[n], ref_final[n], rtol=1e-5, atol=1e-5)
+
+
+def test_pins_exceeding_the_device_tier_degrade_depth_and_stay_exact(tmp_path):
+    # ~150 distinct rows per batch; depth 4 would pin ~750, the device tier holds 40
+    ref, ref_final, _ = _train("plain", "rowwise_adagrad", 30, tmp_path)
+    got, final, st = _train("hm", "rowwise_adagrad", 30, tmp_path, depth=4, device_rows=40, host_rows=500)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    for n in ref_final:
+        torch.testing.assert_close(final[n], ref_final[n], rtol=1e-5, atol=1e-5)
+    assert st["prefetch_degraded"] > 0 and st["min_effective_depth"] < 4
+    # roomy tiers: every batch fully prefetched, the full depth held
+    _, _, st = _train("hm", "sgd", 30, tmp_path / "roomy", depth=3, device_rows=2000, host_rows=100)
+    assert st["prefetch_degraded"] == 0 and st["min_effective_depth"] == 3
+
+
+def test_prefetch_never_evicts_pinned_rows(tmp_path):
+    s = hm.HierarchicalStore([hm.TableSpec("a", 10_000, 4)], hm.StoreConfig(path=tmp_path / "s", device_rows=8,
+                                                                           host_rows=24))
+    t = torch.zeros(6, dtype=torch.int64)
+    a = s.prefetch(t, torch.arange(6))
+    assert a.pinned and a.on_device
+    for i in range(20):  # pressure: later prefetches and lookups may not move batch a
+        b = s.prefetch(t, torch.arange(100 + 10 * i, 106 + 10 * i))
+        assert bool((s.where("a", torch.arange(6)) == hm.Tier.DEVICE).all())
+        s.lookup("a", torch.arange(1000 + i * 4, 1004 + i * 4))
+        assert bool((s.where("a", torch.arange(6)) == hm.Tier.DEVICE).all())
+        s.release(b)
+    # admission leaves room for one more batch beside the pinned rows: c (8 rows) is
+    # pinned beside a (6), d (10 more) would leave too little, so it pins nothing: no error
+    c = s.prefetch(torch.zeros(8, dtype=torch.int64), torch.arange(200, 208))
+    d = s.prefetch(torch.zeros(10, dtype=torch.int64), torch.arange(300, 310))
+    assert c.pinned and not d.pinned and s.stats()["_store"]["prefetch_degraded"] >= 1
+    for x in (a, c, d):
+        s.release(x)
+        s.release(x)  # idempotent
+    assert int(s._dev.pins.sum()) == 0 and int(s._host.pins.sum()) == 0
+    s.audit()
+    s.close()
+
+
+def test_state_dict_round_trip_and_restore_in_a_fresh_process(tmp_path):
+    tables = [hm.TableSpec("a", 500, 4), hm.TableSpec("h", None, 4)]
+    cfg = hm.StoreConfig(path=tmp_path / "s", device_rows=16, host_rows=600, optimizer=hm.RowWiseAdagrad(lr=0.1))
+    m = hm.CachedEmbeddingBagCollection(tables, cfg)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        lengths = torch.randint(0, 3, (2 * 16,), generator=g)
+        vals = torch.randint(0, 500, (int(lengths.sum()),), generator=g)
+        f = hm.SparseFeatures(("a", "h"), vals, lengths)
+        m(f).square().sum().backward()
+    sd = m.state_dict()
+    assert set(sd) == {f"{n}.{p}" for n in "ah" for p in ("ids", "weight", "optimizer_state", "step")}
+    ids = torch.arange(500)
+    want_a, want_h = m.store.lookup("a", ids), m.store.lookup("h", ids)
+    torch.save(sd, tmp_path / "sd.pt")
+    ck = m.checkpoint(tmp_path / "ck")
+    m.store.close()
+    # load into a fresh collection that has trained on other rows first
+    m2 = hm.CachedEmbeddingBagCollection(tables, hm.StoreConfig(path=tmp_path / "s2", device_rows=8, host_rows=600,
+                                                                optimizer=hm.RowWiseAdagrad(lr=0.1)))
+    m2(hm.SparseFeatures(("a", "h"), torch.tensor([1, 2, 3]), torch.tensor([3, 0]))).sum().backward()
+    m2.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    torch.testing.assert_close(m2.store.lookup("a", ids), want_a, rtol=0, atol=0)
+    torch.testing.assert_close(m2.store.lookup("h", ids), want_h, rtol=0, atol=0)
+    m2.store.close()
+    # the checkpoint restores in another process
+    code = ("import sys, torch, hiermem as hm\n"
+            "m = hm.CachedEmbeddingBagCollection.restore(sys.argv[1], sys.argv[2])\n"
+            "torch.save({'a': m.store.lookup('a', torch.arange(500)), 'h': m.store.lookup('h', torch.arange(500))},"
+            " sys.argv[3])\n")
+    subprocess.run([sys.executable, "-c", code, str(ck), str(tmp_path / "s3"), str(tmp_path / "out.pt")], check=True)
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    torch.testing.assert_close(got["a"], want_a, rtol=0, atol=0)
+    torch.testing.assert_close(got["h"], want_h, rtol=0, atol=0)
+    assert (ck / "data.mdb").is_file() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_from_embedding_bags_and_bad_input(tmp_path):
+    bags = {"x": nn.EmbeddingBag(50, 4, mode="mean"), "y": nn.EmbeddingBag(30, 4, mode="mean")}
+    m = hm.CachedEmbeddingBagCollection.from_embedding_bags(bags, hm.StoreConfig(path=tmp_path / "s", device_rows=8,
+                                                                                 host_rows=100))
+    f = hm.SparseFeatures.from_dict({"y": [[1, 2], [], [29]], "x": [[0], [49, 49, 3], []]})
+    out = m(f, as_dict=True)
+    torch.testing.assert_close(out["x"], bags["x"](torch.tensor([0, 49, 49, 3]), torch.tensor([0, 1, 4])))
+    torch.testing.assert_close(out["y"], bags["y"](torch.tensor([1, 2, 29]), torch.tensor([0, 2, 2])))
+    before = m.store.lookup("x", torch.arange(50)).clone()
+    with pytest.raises(hm.InvalidIdError):
+        m(hm.SparseFeatures.from_dict({"x": [[50]], "y": [[0]]}))
+    with pytest.raises(hm.InvalidArgumentError):
+        m(hm.SparseFeatures.from_dict({"x": [[1]]}))  # a table's feature is missing
+    with pytest.raises(hm.InvalidTypeError):
+        m(torch.tensor([1, 2]))
+    with pytest.raises(hm.InvalidArgumentError):
+        hm.SparseFeatures(("x", "y"), torch.tensor([1, 2]), torch.tensor([1, 0]))  # lengths do not add up
+    with pytest.raises(hm.InvalidArgumentError):
+        hm.SparseFeatures(("x",), torch.tensor([1]), torch.tensor([1]), torch.tensor([1.0, 2.0]))
+    out = m(f)
+    with pytest.raises(hm.NonFiniteGradientError):
+        (out * float("nan")).sum().backward()
+    torch.testing.assert_close(m.store.lookup("x", torch.arange(50)), before, rtol=0, atol=0)
+    with pytest.raises(hm.InvalidArgumentError):
+        hm.PrefetchPipeline([], m, depth=0)
+    m.store.close()
+
+
+def test_accepts_a_torchrec_keyed_jagged_tensor(tmp_path):
+    jt = pytest.importorskip("torchrec.sparse.jagged_tensor", reason="torchrec not installed")
+    m = hm.CachedEmbeddingBagCollection([hm.TableSpec("a", 10, 4), hm.TableSpec("b", None, 4)],
+                                        hm.StoreConfig(path=tmp_path / "s", device_rows=8, host_rows=8))
+    kjt = jt.KeyedJaggedTensor.from_lengths_sync(keys=["b", "a"], values=torch.tensor([7, 1, 2, 3]),
+                                                 lengths=torch.tensor([1, 0, 2, 1]))
+    f = hm.SparseFeatures(("b", "a"), torch.tensor([7, 1, 2, 3]), torch.tensor([1, 0, 2, 1]))
+    torch.testing.assert_close(m(kjt), m(f))
+    m.store.close()
+
+
+def test_prefetch_thread_stress(tmp_path):
+    """Many short runs, random depths, tiers and policies: rows equal a no-prefetch reference."""
+    rng = np.random.default_rng(0)
+    for run in range(30):
+        depth, dev, pol = int(rng.integers(1, 6)), int(rng.integers(4, 80)), str(rng.choice(["lru", "lfu"]))
+        steps = int(rng.integers(3, 12))
+        want = None
+        for d in (0, depth):
+            m = hm.CachedEmbeddingBagCollection(_tables(), hm.StoreConfig(
+                path=tmp_path / f"r{run}-{d}", device_rows=dev, host_rows=400, policy=pol,
+                optimizer=hm.RowWiseAdagrad(lr=0.1)))
+            data = [f for _, f, _ in _batches(steps, seed=run)]
+            it = hm.PrefetchPipeline(iter(data), m, depth=d, timeout=60) if d else data
+            for f in it:
+                m(f).square().sum().backward()
+            if d:
+                it.close()
+            rows = torch.cat([m.store.lookup(n, torch.arange(R)) for n in m.names])
+            m.store.audit()
+            m.store.close()
+            if want is None:
+                want = rows
+            else:
+                torch.testing.assert_close(rows, want, rtol=1e-6, atol=1e-6, msg=f"run {run} depth {depth}")
+
+
+def test_checkpoint_survives_sigkill_and_resume_reproduces_losses(tmp_path):
+    args = ["--synthetic", "--batch", "64", "--device-rows", "4096", "--host-rows", "16384", "--dim", "8",
+            "--checkpoint-every", "5", "--no-progress", "--depth", "2"]
+    full = tmp_path / "full"
+    r = subprocess.run([sys.executable, "-m", "hiermem.cli", "demo", "--steps", "30", "--path", str(full), *args],
+                       capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr
+    ref = json.loads(r.stdout.strip().splitlines()[-1])
+    ref_losses = torch.load(Path(ref["checkpoint"]) / "dense.pt", weights_only=True)["losses"]
+    killed = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "-m", "hiermem.cli", "demo", "--steps", "100000", "--path", str(killed),
+                          *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "ckpt" / "LATEST"
+    deadline = time.monotonic() + 150
+    while not latest.exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    time.sleep(float(np.random.default_rng().uniform(0, 0.2)))  # a random moment after a checkpoint
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    step = int(latest.read_text().strip().split("-")[1])
+    assert 5 <= step < 30, step
+    r = subprocess.run([sys.executable, "-m", "hiermem.cli", "demo", "--steps", "30", "--path", str(killed),
+                        "--resume", *args], capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["start_step"] == step
+    losses = torch.load(Path(got["checkpoint"]) / "dense.pt", weights_only=True)["losses"]
+    assert losses.numel() == 30
+    torch.testing.assert_close(losses[step:], ref_losses[step:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses[:step], ref_losses[:step], rtol=0, atol=0)

@@ -20,6 +20,7 @@ hiermem[sim]``); without it the same code runs as plain Python (exact, ~100x slo
 from __future__ import annotations
 
 import heapq
+import importlib.util
 import warnings
 from dataclasses import dataclass
 
@@ -27,22 +28,25 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-try:  # pragma: no cover - which branch depends on the install
-    import numba
-
-    _jit = numba.njit(cache=True, nogil=True)
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover
-    HAVE_NUMBA = False
-
-    def _jit(fn):
-        return fn
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+_COMPILED: dict = {}
 
 
-def _warn_slow() -> None:
-    if not HAVE_NUMBA:
-        warnings.warn("numba is not installed: hiermem.sim.bounds runs as plain Python (pip install hiermem[sim])",
-                      RuntimeWarning, stacklevel=3)
+def _kernel(fn):
+    """``fn`` compiled by numba on first use (imported lazily: the CLI starts fast), or
+    ``fn`` itself, with a warning, when numba is not installed."""
+    k = _COMPILED.get(fn)
+    if k is None:
+        if HAVE_NUMBA:
+            import numba
+
+            k = numba.njit(cache=True, nogil=True)(fn)
+        else:  # pragma: no cover
+            warnings.warn("numba is not installed: hiermem.sim.bounds runs as plain Python "
+                          "(pip install 'hiermem[sim]')", RuntimeWarning, stacklevel=3)
+            k = fn
+        _COMPILED[fn] = k
+    return k
 
 
 def dense_ids(ids: np.ndarray) -> np.ndarray:
@@ -79,7 +83,6 @@ def prev_use(dense: np.ndarray) -> np.ndarray:
     return prev
 
 
-@_jit
 def _stack_distances(prev):  # pragma: no cover - compiled
     n = prev.size
     tree = np.zeros(n + 1, dtype=np.int64)  # Fenwick tree over positions: 1 = latest access of its row
@@ -113,8 +116,7 @@ def _stack_distances(prev):  # pragma: no cover - compiled
 def lru_stack_distances(ids: np.ndarray) -> np.ndarray:
     """Per access, the number of distinct other rows used since its previous access
     (-1 for a first access).  An access hits an LRU cache of ``c`` rows iff ``0 <= d < c``."""
-    _warn_slow()
-    return _stack_distances(prev_use(dense_ids(ids)))
+    return _kernel(_stack_distances)(prev_use(dense_ids(ids)))
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,6 @@ def lru_mrc(ids: np.ndarray) -> MissRatioCurve:
     return MissRatioCurve(int(d.size), int((d < 0).sum()), hist)
 
 
-@_jit
 def _belady(dense, nxt, capacity, num_rows):  # pragma: no cover - compiled
     n = dense.size
     resident = np.zeros(num_rows, dtype=np.bool_)
@@ -185,8 +186,7 @@ def belady_misses(ids: np.ndarray, capacity: int) -> int:
     """Belady's MIN miss count for one tier of ``capacity`` rows (demand paging)."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise InvalidArgumentError(f"capacity must be an int >= 1, got {capacity!r}")
-    _warn_slow()
     d = dense_ids(ids)
     if d.size == 0:
         return 0
-    return int(_belady(d, next_use(d), int(capacity), int(d.max()) + 1))
+    return int(_kernel(_belady)(d, next_use(d), int(capacity), int(d.max()) + 1))

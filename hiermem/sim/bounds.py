@@ -56,8 +56,10 @@ def dense_ids(ids: np.ndarray) -> np.ndarray:
         raise InvalidArgumentError(f"ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
     if ids.size == 0:
         return np.zeros(0, dtype=np.int64)
-    _, inv = np.unique(ids, return_inverse=True)
-    return inv.reshape(-1).astype(np.int64)
+    from .engine import _rank  # a presence table when ids are dense enough, else np.unique
+
+    lo = int(ids.min())
+    return _rank(ids.astype(np.int64) - lo if lo else ids.astype(np.int64, copy=False))[0]
 
 
 def next_use(dense: np.ndarray) -> np.ndarray:
@@ -83,12 +85,14 @@ def prev_use(dense: np.ndarray) -> np.ndarray:
     return prev
 
 
-def _stack_distances(prev):  # pragma: no cover - compiled
-    n = prev.size
+def _stack_distances(dense, num_rows):  # pragma: no cover - compiled
+    n = dense.size
     tree = np.zeros(n + 1, dtype=np.int64)  # Fenwick tree over positions: 1 = latest access of its row
+    last = np.full(num_rows, -1, dtype=np.int64)
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
-        p = prev[i]
+        p = last[dense[i]]
+        last[dense[i]] = i
         if p < 0:
             out[i] = -1
         else:
@@ -116,7 +120,8 @@ def _stack_distances(prev):  # pragma: no cover - compiled
 def lru_stack_distances(ids: np.ndarray) -> np.ndarray:
     """Per access, the number of distinct other rows used since its previous access
     (-1 for a first access).  An access hits an LRU cache of ``c`` rows iff ``0 <= d < c``."""
-    return _kernel(_stack_distances)(prev_use(dense_ids(ids)))
+    d = dense_ids(ids)
+    return _kernel(_stack_distances)(d, int(d.max()) + 1 if d.size else 0)
 
 
 @dataclass(frozen=True)

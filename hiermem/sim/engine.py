@@ -252,11 +252,13 @@ class _Batches:
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(rows, counts, lastpos, n)`` of batch ``i`` (as ``HierarchicalStore._batch``)."""
         ids = self.dense[self.offsets[i]:self.offsets[i + 1]]
-        k, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
         n = ids.numel()
-        lastpos = torch.zeros(k.numel(), dtype=torch.int64)
-        lastpos.scatter_reduce_(0, inverse, torch.arange(n), "amax", include_self=False)
-        return k, counts, lastpos, n
+        s, perm = torch.sort(ids, stable=True)  # one sort: rows, counts and last positions
+        new = torch.ones(n, dtype=torch.bool)
+        new[1:] = s[1:] != s[:-1]
+        starts = new.nonzero().squeeze(1)
+        ends = torch.cat((starts[1:], torch.tensor([n])))
+        return s.index_select(0, starts), ends - starts, perm.index_select(0, ends - 1), n
 
     def rows(self, i: int) -> torch.Tensor:
         """Distinct rows of batch ``i``."""

@@ -777,14 +777,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
     # -- trace capture (hiermem.sim) ------------------------------------------------------
     def record(self, path, updates: bool = True, chunk_accesses: int = 1 << 20) -> None:
-        """Record every accounted lookup batch to a trace directory (see :mod:`hiermem.sim.trace`).
-
-        ``updates`` marks the trace as a training trace (each lookup followed by an update
-        of its ids).  Memory is bounded by ``chunk_accesses`` buffered ids.
-
-        Raises:
-            InvalidArgumentError: already recording, or ``path`` already holds a trace.
-        """
+        """Record every lookup batch, in batch order, to a trace (:mod:`hiermem.sim.trace`);
+        ``updates``: a training trace.  Raises InvalidArgumentError when already recording."""
         from .sim.trace import TraceRecorder
 
         with self._lock:
@@ -799,4 +793,3 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         with self._lock:
             rec, self._recorder = self._recorder, None
             return rec.close() if rec is not None else None
-

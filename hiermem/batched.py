@@ -51,6 +51,45 @@ class Ticket:
         return self.k.numel()
 
 
+@dataclass
+class _BagMemo:
+    """What ``lookup_bags`` validated and placed, for the ``update_bags`` that follows."""
+
+    ids: torch.Tensor
+    ids_version: int
+    tables: torch.Tensor
+    tables_version: int
+    offsets: torch.Tensor
+    mode: str
+    psw: torch.Tensor | None
+    b: object
+    p: object
+    epoch: int
+    ticket: Ticket | None
+    bag: torch.Tensor
+    scale: torch.Tensor | None
+    nbags: int
+
+    def matches(self, ids, tables, offsets, mode, psw) -> bool:
+        return (self.ids is ids and self.ids_version == ids._version and self.tables is tables
+                and self.tables_version == tables._version and self.offsets is offsets
+                and self.offsets_version == offsets._version and self.mode == mode and self.psw is psw
+                and (psw is None or self.psw_version == psw._version))
+
+    def __post_init__(self) -> None:
+        self.offsets_version = self.offsets._version
+        self.psw_version = None if self.psw is None else self.psw._version
+
+    def placement_valid(self, epoch: int, ticket: Ticket | None) -> bool:
+        """No row moved since, or none of this batch's can: all pinned on the device
+        (device rows leave only as victims, and pinned rows are never victims)."""
+        if epoch == self.epoch:
+            return True
+        t = self.ticket
+        return (t is not None and t is ticket and t.pinned and not t.released and t.on_device
+                and getattr(self.p, "on_device", 0) is None)
+
+
 class BatchedOps:
     """Multi-table lookups, fused pooled updates and pinning; mixed into HierarchicalStore."""
 
@@ -63,7 +102,7 @@ class BatchedOps:
         self._linear = None
         if all(n is not None for n in sizes) and sum(sizes) < 2**62:
             self._linear = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64, device=d)
-        self._multi_memo: tuple | None = None
+        self._multi_memo: _BagMemo | None = None
         self._live_tickets: list[Ticket] = []  # pinned, not yet released
 
     def _multi_ids(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +286,7 @@ class BatchedOps:
             self._check_open()
             t, k = self._multi_ids(tables, ids)
             n = k.numel()
+            offsets_in = offsets
             offsets = self._offsets(n, offsets)
             bag, scale = self._bags(n, offsets, mode, per_sample_weights)
             D = self.max_dim
@@ -254,10 +294,15 @@ class BatchedOps:
                 return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
             b = self._batch_multi(t, k)
             p = self._place_batch(b, ticket)
-            self._multi_memo = (ids, ids._version, tables, b, p, self._epoch)
+            self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
+                                        per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
             if p.on_device is None:
-                src = self._dev.data if D == self._dev.width else self._dev.data[:, :D]
-                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
+                if D == self._dev.width:
+                    src, idx = self._dev.data, p.slot.index_select(0, b.inverse)
+                else:  # a column slice is not contiguous (embedding_bag would copy the whole
+                    # tier): gather the batch's distinct rows, then pool from them
+                    src, idx = self._dev.data[p.slot, :D], b.inverse
+                return F.embedding_bag(idx, src, offsets, mode=mode,
                                        per_sample_weights=None if per_sample_weights is None else scale)
             rows = self._gather(p, D).index_select(0, b.inverse)
             if scale is not None:
@@ -273,32 +318,37 @@ class BatchedOps:
 
         ``grad [len(offsets), max_dim]`` is the gradient of the pooled bags (columns past
         a table's dim are ignored).  Each distinct row takes one optimizer step with the
-        sum of its ids' gradients, in place in its tier; NaN/inf is refused first.
+        sum of its ids' gradients, in place in its tier; NaN/inf is refused first.  Given
+        the same (unchanged) tensors as the preceding :meth:`lookup_bags`, it reuses that
+        lookup's validation, dedup and placement (the placement even after other batches
+        moved rows, when the batch's prefetch ticket pins all its rows on the device).
         """
         with self._lock:
             self._check_open()
-            t, k = self._multi_ids(tables, ids)
-            n = k.numel()
-            offsets = self._offsets(n, offsets)
-            bag, scale = self._bags(n, offsets, mode, per_sample_weights)
+            m = self._multi_memo
+            if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights):
+                b, bag, scale, nbags = m.b, m.bag, m.scale, m.nbags
+                p = m.p if m.placement_valid(self._epoch, ticket) else None
+                t = k = None
+            else:
+                t, k = self._multi_ids(tables, ids)
+                offsets = self._offsets(k.numel(), offsets)
+                bag, scale = self._bags(k.numel(), offsets, mode, per_sample_weights)
+                b, p, nbags = None, None, offsets.numel()
             D = self.max_dim
-            if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() \
-                    or tuple(grad.shape) != (offsets.numel(), D):
-                raise InvalidArgumentError(f"grad must be a float tensor of shape {(offsets.numel(), D)}")
-            if n == 0:
+            if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or tuple(grad.shape) != (nbags, D):
+                raise InvalidArgumentError(f"grad must be a float tensor of shape {(nbags, D)}")
+            if bag.numel() == 0:
                 return
             g_ids = grad.detach().to(self.device, torch.float32).index_select(0, bag)
             if scale is not None:
                 g_ids.mul_(scale.unsqueeze(1))
-            self._update_multi(tables, ids, t, k, g_ids, ticket)
+            if b is None:
+                b = self._batch_multi(t, k)
+                p = self._locate(b) if ticket is not None and ticket.pinned else None
+            self._update_multi(b, p, g_ids)
 
-    def _update_multi(self, tables, ids, t, k, g_ids, ticket) -> None:
-        m = self._multi_memo
-        if m is not None and m[0] is ids and m[1] == ids._version and m[2] is tables and m[5] == self._epoch:
-            b, p = m[3], m[4]
-        else:
-            b = self._batch_multi(t, k)
-            p = self._locate(b) if ticket is not None and ticket.pinned else None
+    def _update_multi(self, b, p, g_ids) -> None:
         g = torch.zeros((b.k.numel(), g_ids.shape[1]), dtype=torch.float32, device=self.device)
         g.index_add_(0, b.inverse, g_ids)
         if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):

@@ -63,7 +63,7 @@ class RowWiseAdagradRef:
 
 
 def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=260, policy="lru", mode="sum",
-           weights=False):
+           weights=False, device="cpu"):
     """Train the DLRM; returns (losses, final weights per table, pipeline stats)."""
     torch.manual_seed(0)
     plain = PlainEmbeddingBags(_tables(), mode=mode)  # same initial rows for every kind
@@ -75,7 +75,7 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
     else:
         opt = hm.SGD(lr=lr) if opt_name == "sgd" else hm.RowWiseAdagrad(lr=lr, eps=eps)
         cfg = hm.StoreConfig(path=tmp_path / f"{kind}-{opt_name}-{depth}-{policy}", device_rows=device_rows,
-                             host_rows=host_rows, policy=policy, optimizer=opt)
+                             host_rows=host_rows, policy=policy, optimizer=opt, device=device)
         emb = hm.CachedEmbeddingBagCollection.from_embedding_bags(dict(plain.bags.items()), cfg)
         eopt = None
     torch.manual_seed(1)
@@ -84,7 +84,10 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
     data = _batches(steps, weights=weights)
     pipe = hm.PrefetchPipeline(data, emb, depth=depth) if depth else None
     losses = []
+    model.to(device if kind != "plain" else "cpu")
     for dense, feats, labels in (pipe if pipe else data):
+        if kind != "plain":
+            dense, labels = dense.to(device), labels.to(device)
         loss = nn.functional.binary_cross_entropy_with_logits(model(dense, feats), labels)
         dopt.zero_grad()
         if eopt is not None and opt_name == "sgd":
@@ -99,7 +102,7 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
         final = {n: b.weight.detach().clone() for n, b in plain.bags.items()}
     else:
         emb.store.audit()
-        final = {n: emb.store.lookup(n, torch.arange(R)) for n in emb.names}
+        final = {n: emb.store.lookup(n, torch.arange(R)).cpu() for n in emb.names}
         assert int(emb.store._dev.pins.sum()) == 0 and int(emb.store._host.pins.sum()) == 0
         emb.store.close()
     return losses, final, stats

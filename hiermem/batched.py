@@ -190,6 +190,8 @@ class BatchedOps:
             if k.numel() == 0:
                 return Ticket(t[:0], k[:0], 0, True, True, True)
             b = self._batch_multi(t, k)
+            if self._recorder is not None:  # traces keep batch order, refused prefetches too (hiermem.sim)
+                self._recorder.record(b)
             self.counters.add_io(IO.PREFETCH_REQUESTS, 1)
             pinned = int((self._dev.pins > 0).sum()) + int((self._host.pins > 0).sum())
             # admission: leave room for one more batch like this one beside every pinned row
@@ -199,7 +201,7 @@ class BatchedOps:
             g0 = self._keys.find(b.t, b.k)
             was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
             try:
-                p = self._place(b, account=True)
+                p = self._place(b, account=True, record=False)
             except CapacityError:  # nothing changed
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
                 return Ticket(b.t, b.k, b.n, False, False, False)
@@ -252,12 +254,12 @@ class BatchedOps:
         (moved up to the device when they are not there, without accounting)."""
         if ticket is None or not ticket.pinned:
             account = ticket is None or not ticket.accounted
-            try:
-                return self._place(b, account=account)
+            try:  # a prefetched batch was recorded when it was prefetched
+                return self._place(b, account=account, record=ticket is None)
             except CapacityError:  # later batches' pins hold the room this batch needs
                 if not self.revoke_prefetches():
                     raise
-                return self._place(b, account=account)
+                return self._place(b, account=account, record=ticket is None)
         g = self._keys.find(b.t, b.k)
         in_dev = (g >= 0) & (g < self._dev.capacity)
         self.counters.add_io(IO.PREFETCH_HITS, int(b.counts[in_dev].sum()))

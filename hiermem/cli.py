@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("config", help="e.g. hiermem/sharding/example_plan.toml")
     pl.add_argument("--json", action="store_true", help="print the ShardingPlan as JSON")
     pl.set_defaults(fn=_plan)
+    from .sim.cli import add_commands  # trace import, sim, tune (offline policy tuning)
+
+    add_commands(sub)
     return p
 
 

@@ -136,8 +136,11 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._clock = 0
         self._epoch = 0  # bumped whenever any row changes tier
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
+        self._recorder = None  # a hiermem.sim.trace.TraceRecorder while recording
         self._setup_batched()
         self._closed = False
+        if config.trace_path is not None:
+            self.record(config.trace_path)
         from .metrics import STORES
         STORES.add(self)  # a weak reference; metrics are read only when scraped
 
@@ -148,12 +151,13 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
         ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
         of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``,
-        ``sync_writebacks``).
+        ``sync_writebacks``, ``trace_path``).
 
         Raises:
             StoreFormatError: ``path`` is not a hiermem store, or is corrupt.
         """
-        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks"}
+        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks",
+                                "trace_path"}
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
         with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
@@ -440,11 +444,13 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         c.bump(Tier.DISK, Stat.HITS, t[found])
         c.bump(Tier.DISK, Stat.MISSES, t[~found])
 
-    def _place(self, b: Batch, account: bool) -> Placement:
+    def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
         if not account:
             return self._resolve(b, torch.full_like(b.k, self._clock), False)
         p = self._resolve(b, b.lastpos + self._clock, True)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
+        if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
+            self._recorder.record(b)
         return p
 
     def _gather(self, p: Placement, cols: int) -> torch.Tensor:
@@ -731,6 +737,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             if self._closed:
                 return
             try:
+                self.stop_recording()
                 self.flush()
             finally:
                 self._closed = True
@@ -821,3 +828,22 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         return (f"HierarchicalStore({self.path}, tables={[s.name for s in self.tables]}, "
                 f"device={self.device}, device_rows={self._dev.capacity}, host_rows={self._host.capacity}, "
                 f"policy={self.policy.name}, optimizer={self.optimizer.name})")
+
+    # -- trace capture (hiermem.sim) ------------------------------------------------------
+    def record(self, path, updates: bool = True, chunk_accesses: int = 1 << 20) -> None:
+        """Record every lookup batch, in batch order, to a trace (:mod:`hiermem.sim.trace`);
+        ``updates``: a training trace.  Raises InvalidArgumentError when already recording."""
+        from .sim.trace import TraceRecorder
+
+        with self._lock:
+            self._check_open()
+            if self._recorder is not None:
+                raise InvalidArgumentError(f"already recording to {self._recorder.path}")
+            self._recorder = TraceRecorder(path, [s.name for s in self.tables], updates=updates,
+                                           chunk_accesses=chunk_accesses, source=f"store:{self.path}")
+
+    def stop_recording(self) -> Path | None:
+        """Finish the trace being recorded; returns its path (None when not recording)."""
+        with self._lock:
+            rec, self._recorder = self._recorder, None
+            return rec.close() if rec is not None else None

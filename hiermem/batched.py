@@ -104,6 +104,7 @@ class BatchedOps:
             self._linear = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64, device=d)
         self._multi_memo: _BagMemo | None = None
         self._live_tickets: list[Ticket] = []  # pinned, not yet released
+        self._soon: tuple[torch.Tensor, torch.Tensor] | None = None  # rows of the next batches (lookahead)
 
     def _multi_ids(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated ``(table index, id)`` per id, int64 on the store's device."""
@@ -165,6 +166,38 @@ class BatchedOps:
         if bool(on_dev.all()):
             return Placement(None, g)
         return Placement(on_dev, torch.where(on_dev, g, g - D))
+
+    # -- lookahead ----------------------------------------------------------------------
+    @property
+    def wants_lookahead(self) -> bool:
+        """Whether the policy uses future ids (:meth:`set_lookahead`), e.g. ``lookahead``."""
+        return bool(self._dev.policy.wants_lookahead)
+
+    def set_lookahead(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
+        """The rows the next batches will use, for the next accounted placement only.
+
+        A :class:`PrefetchPipeline` calls it before each prefetch (and each plain lookup
+        of a batch whose prefetch was refused) with the ids of the ``window`` batches
+        after it; a policy with ``wants_lookahead`` then evicts other rows first.  A
+        no-op for other policies.
+        """
+        with self._lock:
+            if not self.wants_lookahead:
+                return
+            t, k = self._multi_ids(tables, ids)
+            if k.numel() == 0:
+                self._soon = (t, k)
+                return
+            b = self._batch_multi(t, k)
+            self._soon = (b.t, b.k)
+
+    def _mark_soon(self) -> None:
+        t, k = self._soon
+        self._soon = None
+        g = self._keys.find(t, k)
+        D = self._dev.capacity
+        self._dev.policy.on_lookahead(g[(g >= 0) & (g < D)])
+        self._host.policy.on_lookahead((g[g >= D] - D).to(self._host.device))
 
     # -- prefetch and pins -------------------------------------------------------------
     def _pin(self, p, delta: int) -> None:

@@ -447,6 +447,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
     def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
         if not account:
             return self._resolve(b, torch.full_like(b.k, self._clock), False)
+        if self._soon is not None:  # a lookahead policy learns which resident rows come back soon
+            self._mark_soon()
         p = self._resolve(b, b.lastpos + self._clock, True)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
         if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)

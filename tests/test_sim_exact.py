@@ -74,7 +74,8 @@ def test_policy_file_into_sim_and_store(tmp_path):
 
 def _train_prefetch(tmp_path, policy, tables, steps, D, H, depth, seed):
     """Multi-table batches through the store's prefetch API in the pipeline's order:
-    P(0..k-1); per step L(i), P(i+k), U(i), R(i) (as hiermem.PrefetchPipeline issues them)."""
+    P(0..k-1); per step L(i), P(i+k), U(i), R(i), or L(i), U(i), R(i), P(i+k) when batch
+    i is not pinned at its lookup (as hiermem.PrefetchPipeline issues them)."""
     store = hm.HierarchicalStore(tables, hm.StoreConfig(path=tmp_path / "store", device_rows=D, host_rows=H,
                                                         policy=policy, trace_path=tmp_path / "trace"))
     gens = [ZipfIds(s.num_rows, 0.9 + 0.1 * i, seed + i) for i, s in enumerate(tables)]
@@ -91,11 +92,14 @@ def _train_prefetch(tmp_path, policy, tables, steps, D, H, depth, seed):
         off = torch.arange(k.numel())
         ticket = tickets.pop(i, None)  # depth 0: plain multi-table lookups
         store.lookup_bags(t, k, off, ticket=ticket)
-        if depth and i + depth < steps:
+        pinned = ticket is not None and ticket.pinned
+        if depth and i + depth < steps and pinned:
             tickets[i + depth] = store.prefetch(*batches[i + depth])
         store.update_bags(t, k, off, torch.full((k.numel(), store.max_dim), 0.01), ticket=ticket)
         if ticket is not None:
             store.release(ticket)
+        if depth and i + depth < steps and not pinned:
+            tickets[i + depth] = store.prefetch(*batches[i + depth])
     table, io, width = store.counters.table.clone(), store.counters.io.clone(), store.width
     store.close()
     return table, io, width
@@ -118,3 +122,35 @@ def test_sim_reproduces_store_with_prefetch(tmp_path, policy, depth, D, H):
             assert int(res.counters.io[k]) == int(io[k]), k.name
     if depth == 3:
         assert int(io[IO.PREFETCH_DEGRADED]) > 0
+
+
+@pytest.mark.parametrize("policy,depth,D,H", [("lru", 2, 48, 80), ("lfu", 3, 40, 40), ("lru", 1, 200, 100),
+                                              ("lookahead", 2, 40, 60), ("lfu_decay", 2, 48, 80)])
+def test_sim_reproduces_a_real_prefetch_pipeline(tmp_path, policy, depth, D, H):
+    """The module trained through hm.PrefetchPipeline (its background thread included)
+    issues exactly the order the simulator replays: counters equal."""
+    tables = [hm.TableSpec("users", 400, 4), hm.TableSpec("items", 250, 4)]
+    emb = hm.CachedEmbeddingBagCollection(tables, hm.StoreConfig(
+        path=tmp_path / "store", device_rows=D, host_rows=H, policy=policy, trace_path=tmp_path / "trace",
+        optimizer=hm.RowWiseAdagrad(lr=0.1)))
+    gens = [ZipfIds(s.num_rows, 0.9, depth + i) for i, s in enumerate(tables)]
+    rng = np.random.default_rng(depth)
+
+    def batches():
+        for _ in range(50):
+            lengths = torch.from_numpy(rng.integers(0, 3, 2 * 16))
+            n = lengths.view(2, 16).sum(1).tolist()
+            yield hm.SparseFeatures(("users", "items"), torch.from_numpy(np.concatenate(
+                [g(x) for g, x in zip(gens, n)])), lengths)
+    with hm.PrefetchPipeline(batches(), emb, depth=depth) as pipe:
+        for f in pipe:
+            emb(f).square().sum().backward()
+    table, io, width = emb.store.counters.table.clone(), emb.store.counters.io.clone(), emb.store.width
+    emb.store.close()
+    res = simulate(tmp_path / "trace", SimConfig(device_rows=D, host_rows=H, policy=policy, prefetch_depth=depth,
+                                                 row_bytes=width * 4))
+    assert torch.equal(res.counters.table, table)
+    for k in IO:
+        if k not in (IO.FLUSHES, IO.FLUSHED_ROWS, IO.LATE_PREFETCHES):
+            assert int(res.counters.io[k]) == int(io[k]), k.name
+    assert int(io[IO.PREFETCHED_BATCHES]) > 0

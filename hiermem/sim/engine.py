@@ -307,7 +307,7 @@ class Simulator:
         # future ids are known only to a prefetch pipeline: no lookahead with plain lookups
         self._lookahead = self._dev.policy.wants_lookahead and config.prefetch_depth > 0
         self._soon = torch.zeros(self.b.num_rows, dtype=torch.int32) if self._lookahead else None
-        self._soon_lo, self._soon_hi = 0, -1  # batches _soon_lo.._soon_hi are counted in _soon
+        self._soon_in: set[int] = set()  # the batches counted in _soon
 
     # -- the store's rule -------------------------------------------------------------
     @staticmethod
@@ -464,12 +464,13 @@ class Simulator:
     def _mark_lookahead(self, i: int) -> None:
         """Tell the policies which resident rows batches ``i+1 .. i+window`` use."""
         soon, b = self._soon, self.b
-        while self._soon_hi < min(i + self._window, b.n - 1):  # batches entering the window
-            self._soon_hi += 1
-            soon[b.rows(self._soon_hi)] += 1
-        while self._soon_lo <= min(i, self._soon_hi):  # batches leaving it
-            soon[b.rows(self._soon_lo)] -= 1
-            self._soon_lo += 1
+        # the window may move back: a refused batch's plain lookup comes after later prefetches
+        want = set(range(i + 1, min(i + self._window, b.n - 1) + 1))
+        for j in self._soon_in - want:  # batches leaving it
+            soon[b.rows(j)] -= 1
+        for j in sorted(want - self._soon_in):  # batches entering it
+            soon[b.rows(j)] += 1
+        self._soon_in = want
         for tier in (self._dev, self._host):
             occ = tier.keys_t >= 0
             tier.policy.on_lookahead((occ & (soon.index_select(0, tier.keys_k) > 0)).nonzero().squeeze(1))
@@ -525,7 +526,9 @@ class Simulator:
             return fn()
 
     def _run_prefetch(self, depth: int) -> None:
-        """The pipeline's order: P(0..k-1); per step L(i), P(i+k), U(i), R(i)."""
+        """The pipeline's order: P(0..k-1); per step L(i), P(i+k), U(i), R(i) — or, when
+        batch i is not pinned at its lookup, L(i), U(i), R(i), P(i+k) (its rows could be
+        moved by the next prefetch, so that prefetch waits for its update)."""
         n = self.b.n
         live: dict[int, _Ticket] = {}
         for j in range(min(depth, n)):
@@ -544,7 +547,8 @@ class Simulator:
                 else:  # refused: a plain lookup
                     self._retry(lambda: self._lookup(i, tk.batch), live)
                 epoch = self._epoch
-            if i + depth < n:
+            pinned = tk.pinned
+            if pinned and i + depth < n:
                 live[i + depth] = self._prefetch(i + depth)
             if nids:  # U: the lookup's placement unless rows moved since (then re-placed)
                 if tk.pinned or self._epoch == epoch:
@@ -555,6 +559,8 @@ class Simulator:
                 self._pin(k, -1)
             tk.released = True
             del live[i]
+            if not pinned and i + depth < n:
+                live[i + depth] = self._prefetch(i + depth)
 
     def run(self) -> SimResult:
         """Replay the whole trace once.

@@ -302,6 +302,91 @@ class BatchedOps:
             return Placement(None, g)
         return self._place(b, account=False)
 
+    # -- pooled single-table ops (nn.EmbeddingBag semantics) -------------------------------
+    def _offsets(self, n: int, offsets) -> torch.Tensor:
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
+                or offsets.dim() != 1:
+            raise InvalidTypeError("offsets must be a 1-D int64/int32 tensor")
+        offsets = offsets.to(self.device, torch.int64)
+        if offsets.numel() == 0:
+            raise InvalidArgumentError("offsets must have one entry per bag (at least one)")
+        if int(offsets[0]) != 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any()):
+            raise InvalidArgumentError(f"offsets must start at 0, not decrease and not pass len(ids)={n}")
+        return offsets
+
+    def _bags(self, n: int, offsets: torch.Tensor, mode: str, psw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bag of each id, and the per-id scale (per-sample weight, 1/len for mean)."""
+        if mode not in ("sum", "mean"):
+            raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
+        bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=self.device), lengths)
+        scale = None
+        if psw is not None:
+            if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):
+                raise InvalidArgumentError(f"per_sample_weights must be a float tensor of shape ({n},)")
+            if mode != "sum":
+                raise InvalidArgumentError("per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
+            scale = psw.detach().to(self.device, torch.float32)
+        elif mode == "mean":
+            scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
+        return bag, scale
+
+    @timed("lookup_seconds")
+    def lookup_pooled(self, table: str, ids, offsets: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows ``[len(offsets), dim]``, as ``nn.EmbeddingBag(ids, offsets)``.
+
+        Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]`` (the last runs to the end); an
+        empty bag pools to zeros.  Gather and pooling are one fused op when every row
+        is on the device tier.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            offsets = self._offsets(ids.numel(), offsets)
+            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
+            dim = self.tables[ti].dim
+            if ids.numel() == 0:
+                return torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
+            b = self._batch(ti, ids)
+            p = self._place(b, account=True)
+            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            if p.on_device is None:
+                src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
+                idx = p.slot.index_select(0, b.inverse)
+                if not src.is_contiguous():  # embedding_bag would copy the whole tier: gather the rows first
+                    src, idx = src.index_select(0, idx), torch.arange(idx.numel(), device=self.device)
+                return F.embedding_bag(idx, src, offsets, mode=mode,
+                                       per_sample_weights=None if per_sample_weights is None else scale)
+            rows = self._rows(p, b, dim)
+            if scale is not None:
+                rows = rows * scale.unsqueeze(1)
+            out = torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
+            return out.index_add_(0, bag, rows)
+
+    @timed("update_seconds")
+    def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> None:
+        """The backward of :meth:`lookup_pooled` fused with the optimizer step.
+
+        ``grad_output [len(offsets), dim]`` is the gradient of the pooled rows; each id
+        gets its bag's gradient (scaled by its weight, or ``1/len`` for mean), and then
+        :meth:`update` semantics apply.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids_in = ids
+            ids = self._ids(ti, ids)
+            offsets = self._offsets(ids.numel(), offsets)
+            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
+            grad_output = self._values(ti, offsets.numel(), grad_output, "grad_output", check_finite=False)
+            grads = grad_output.index_select(0, bag)
+            if scale is not None:
+                grads.mul_(scale.unsqueeze(1))
+            self._update(ti, ids_in, ids, grads)
+
     # -- pooled multi-table ops ---------------------------------------------------------
     @timed("lookup_seconds")
     def lookup_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str = "sum",

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .batched import Ticket
 from .errors import InvalidArgumentError, InvalidTypeError
 from .features import SparseFeatures
 from .store import HierarchicalStore

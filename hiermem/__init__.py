@@ -7,6 +7,7 @@ LMDB store on disk; lookups and fused optimizer updates work on whole batches.
 from .errors import (CapacityError, DiskFullError, HierMemError, InvalidArgumentError, InvalidIdError,
                      InvalidTypeError, LayoutMismatchError, NonFiniteGradientError, PolicyFileError,
                      StoreClosedError, StoreFormatError, UnknownTableError)
+from .errors import MissingDependencyError, TraceFormatError  # offline policy tuning (hiermem.sim)
 from .features import SparseFeatures
 from .eviction import LFU, LRU, POLICIES, EvictionPolicy, PolicySpec, register_policy, resolve_policy
 from .metrics import STORES, MetricsRegistry, StoreCollector, serve_metrics
@@ -17,13 +18,19 @@ from .batched import Ticket
 from .modules import CachedEmbeddingBagCollection
 from .pipeline import PrefetchPipeline
 from .types import StoreConfig, TableSpec, Tier, default_device
+from .sharding import (PlannerError, PlannerTable, ShardedEmbeddingBagCollection, ShardingPlan, ShardingType,
+                       TierPlacement, Topology, launch_local)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MissingDependencyError", "TraceFormatError",
     "Adagrad", "Adam", "CachedEmbeddingBagCollection", "PrefetchPipeline", "Ticket", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
     "IO", "InvalidArgumentError", "MetricsRegistry", "STORES", "StoreCollector", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
     "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD", "SparseFeatures",
     "Stat", "StoreClosedError", "StoreConfig", "StoreFormatError", "TableSpec", "Tier", "UnknownTableError",
     "default_device", "register_policy", "resolve_policy", "serve_metrics",
+    # sharding (issue 6)
+    "PlannerError", "PlannerTable", "ShardedEmbeddingBagCollection", "ShardingPlan", "ShardingType", "TierPlacement",
+    "Topology", "launch_local",
 ]

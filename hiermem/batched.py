@@ -51,6 +51,45 @@ class Ticket:
         return self.k.numel()
 
 
+@dataclass
+class _BagMemo:
+    """What ``lookup_bags`` validated and placed, for the ``update_bags`` that follows."""
+
+    ids: torch.Tensor
+    ids_version: int
+    tables: torch.Tensor
+    tables_version: int
+    offsets: torch.Tensor
+    mode: str
+    psw: torch.Tensor | None
+    b: object
+    p: object
+    epoch: int
+    ticket: Ticket | None
+    bag: torch.Tensor
+    scale: torch.Tensor | None
+    nbags: int
+
+    def matches(self, ids, tables, offsets, mode, psw) -> bool:
+        return (self.ids is ids and self.ids_version == ids._version and self.tables is tables
+                and self.tables_version == tables._version and self.offsets is offsets
+                and self.offsets_version == offsets._version and self.mode == mode and self.psw is psw
+                and (psw is None or self.psw_version == psw._version))
+
+    def __post_init__(self) -> None:
+        self.offsets_version = self.offsets._version
+        self.psw_version = None if self.psw is None else self.psw._version
+
+    def placement_valid(self, epoch: int, ticket: Ticket | None) -> bool:
+        """No row moved since, or none of this batch's can: all pinned on the device
+        (device rows leave only as victims, and pinned rows are never victims)."""
+        if epoch == self.epoch:
+            return True
+        t = self.ticket
+        return (t is not None and t is ticket and t.pinned and not t.released and t.on_device
+                and getattr(self.p, "on_device", 0) is None)
+
+
 class BatchedOps:
     """Multi-table lookups, fused pooled updates and pinning; mixed into HierarchicalStore."""
 
@@ -63,8 +102,9 @@ class BatchedOps:
         self._linear = None
         if all(n is not None for n in sizes) and sum(sizes) < 2**62:
             self._linear = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64, device=d)
-        self._multi_memo: tuple | None = None
+        self._multi_memo: _BagMemo | None = None
         self._live_tickets: list[Ticket] = []  # pinned, not yet released
+        self._soon: tuple[torch.Tensor, torch.Tensor] | None = None  # rows of the next batches (lookahead)
 
     def _multi_ids(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated ``(table index, id)`` per id, int64 on the store's device."""
@@ -127,6 +167,38 @@ class BatchedOps:
             return Placement(None, g)
         return Placement(on_dev, torch.where(on_dev, g, g - D))
 
+    # -- lookahead ----------------------------------------------------------------------
+    @property
+    def wants_lookahead(self) -> bool:
+        """Whether the policy uses future ids (:meth:`set_lookahead`), e.g. ``lookahead``."""
+        return bool(self._dev.policy.wants_lookahead)
+
+    def set_lookahead(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
+        """The rows the next batches will use, for the next accounted placement only.
+
+        A :class:`PrefetchPipeline` calls it before each prefetch (and each plain lookup
+        of a batch whose prefetch was refused) with the ids of the ``window`` batches
+        after it; a policy with ``wants_lookahead`` then evicts other rows first.  A
+        no-op for other policies.
+        """
+        with self._lock:
+            if not self.wants_lookahead:
+                return
+            t, k = self._multi_ids(tables, ids)
+            if k.numel() == 0:
+                self._soon = (t, k)
+                return
+            b = self._batch_multi(t, k)
+            self._soon = (b.t, b.k)
+
+    def _mark_soon(self) -> None:
+        t, k = self._soon
+        self._soon = None
+        g = self._keys.find(t, k)
+        D = self._dev.capacity
+        self._dev.policy.on_lookahead(g[(g >= 0) & (g < D)])
+        self._host.policy.on_lookahead((g[g >= D] - D).to(self._host.device))
+
     # -- prefetch and pins -------------------------------------------------------------
     def _pin(self, p, delta: int) -> None:
         for tier, slots, _ in self._parts(p):
@@ -151,6 +223,8 @@ class BatchedOps:
             if k.numel() == 0:
                 return Ticket(t[:0], k[:0], 0, True, True, True)
             b = self._batch_multi(t, k)
+            if self._recorder is not None:  # traces keep batch order, refused prefetches too (hiermem.sim)
+                self._recorder.record(b)
             self.counters.add_io(IO.PREFETCH_REQUESTS, 1)
             pinned = int((self._dev.pins > 0).sum()) + int((self._host.pins > 0).sum())
             # admission: leave room for one more batch like this one beside every pinned row
@@ -160,7 +234,7 @@ class BatchedOps:
             g0 = self._keys.find(b.t, b.k)
             was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
             try:
-                p = self._place(b, account=True)
+                p = self._place(b, account=True, record=False)
             except CapacityError:  # nothing changed
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
                 return Ticket(b.t, b.k, b.n, False, False, False)
@@ -213,12 +287,12 @@ class BatchedOps:
         (moved up to the device when they are not there, without accounting)."""
         if ticket is None or not ticket.pinned:
             account = ticket is None or not ticket.accounted
-            try:
-                return self._place(b, account=account)
+            try:  # a prefetched batch was recorded when it was prefetched
+                return self._place(b, account=account, record=ticket is None)
             except CapacityError:  # later batches' pins hold the room this batch needs
                 if not self.revoke_prefetches():
                     raise
-                return self._place(b, account=account)
+                return self._place(b, account=account, record=ticket is None)
         g = self._keys.find(b.t, b.k)
         in_dev = (g >= 0) & (g < self._dev.capacity)
         self.counters.add_io(IO.PREFETCH_HITS, int(b.counts[in_dev].sum()))
@@ -227,6 +301,91 @@ class BatchedOps:
 
             return Placement(None, g)
         return self._place(b, account=False)
+
+    # -- pooled single-table ops (nn.EmbeddingBag semantics) -------------------------------
+    def _offsets(self, n: int, offsets) -> torch.Tensor:
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
+                or offsets.dim() != 1:
+            raise InvalidTypeError("offsets must be a 1-D int64/int32 tensor")
+        offsets = offsets.to(self.device, torch.int64)
+        if offsets.numel() == 0:
+            raise InvalidArgumentError("offsets must have one entry per bag (at least one)")
+        if int(offsets[0]) != 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any()):
+            raise InvalidArgumentError(f"offsets must start at 0, not decrease and not pass len(ids)={n}")
+        return offsets
+
+    def _bags(self, n: int, offsets: torch.Tensor, mode: str, psw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bag of each id, and the per-id scale (per-sample weight, 1/len for mean)."""
+        if mode not in ("sum", "mean"):
+            raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
+        bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=self.device), lengths)
+        scale = None
+        if psw is not None:
+            if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):
+                raise InvalidArgumentError(f"per_sample_weights must be a float tensor of shape ({n},)")
+            if mode != "sum":
+                raise InvalidArgumentError("per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
+            scale = psw.detach().to(self.device, torch.float32)
+        elif mode == "mean":
+            scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
+        return bag, scale
+
+    @timed("lookup_seconds")
+    def lookup_pooled(self, table: str, ids, offsets: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows ``[len(offsets), dim]``, as ``nn.EmbeddingBag(ids, offsets)``.
+
+        Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]`` (the last runs to the end); an
+        empty bag pools to zeros.  Gather and pooling are one fused op when every row
+        is on the device tier.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            offsets = self._offsets(ids.numel(), offsets)
+            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
+            dim = self.tables[ti].dim
+            if ids.numel() == 0:
+                return torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
+            b = self._batch(ti, ids)
+            p = self._place(b, account=True)
+            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            if p.on_device is None:
+                src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
+                idx = p.slot.index_select(0, b.inverse)
+                if not src.is_contiguous():  # embedding_bag would copy the whole tier: gather the rows first
+                    src, idx = src.index_select(0, idx), torch.arange(idx.numel(), device=self.device)
+                return F.embedding_bag(idx, src, offsets, mode=mode,
+                                       per_sample_weights=None if per_sample_weights is None else scale)
+            rows = self._rows(p, b, dim)
+            if scale is not None:
+                rows = rows * scale.unsqueeze(1)
+            out = torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
+            return out.index_add_(0, bag, rows)
+
+    @timed("update_seconds")
+    def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> None:
+        """The backward of :meth:`lookup_pooled` fused with the optimizer step.
+
+        ``grad_output [len(offsets), dim]`` is the gradient of the pooled rows; each id
+        gets its bag's gradient (scaled by its weight, or ``1/len`` for mean), and then
+        :meth:`update` semantics apply.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids_in = ids
+            ids = self._ids(ti, ids)
+            offsets = self._offsets(ids.numel(), offsets)
+            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
+            grad_output = self._values(ti, offsets.numel(), grad_output, "grad_output", check_finite=False)
+            grads = grad_output.index_select(0, bag)
+            if scale is not None:
+                grads.mul_(scale.unsqueeze(1))
+            self._update(ti, ids_in, ids, grads)
 
     # -- pooled multi-table ops ---------------------------------------------------------
     @timed("lookup_seconds")
@@ -245,6 +404,7 @@ class BatchedOps:
             self._check_open()
             t, k = self._multi_ids(tables, ids)
             n = k.numel()
+            offsets_in = offsets
             offsets = self._offsets(n, offsets)
             bag, scale = self._bags(n, offsets, mode, per_sample_weights)
             D = self.max_dim
@@ -252,10 +412,15 @@ class BatchedOps:
                 return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
             b = self._batch_multi(t, k)
             p = self._place_batch(b, ticket)
-            self._multi_memo = (ids, ids._version, tables, b, p, self._epoch)
+            self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
+                                        per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
             if p.on_device is None:
-                src = self._dev.data if D == self._dev.width else self._dev.data[:, :D]
-                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
+                if D == self._dev.width:
+                    src, idx = self._dev.data, p.slot.index_select(0, b.inverse)
+                else:  # a column slice is not contiguous (embedding_bag would copy the whole
+                    # tier): gather the batch's distinct rows, then pool from them
+                    src, idx = self._dev.data[p.slot, :D], b.inverse
+                return F.embedding_bag(idx, src, offsets, mode=mode,
                                        per_sample_weights=None if per_sample_weights is None else scale)
             rows = self._gather(p, D).index_select(0, b.inverse)
             if scale is not None:
@@ -266,37 +431,47 @@ class BatchedOps:
     @timed("update_seconds")
     def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
                     mode: str = "sum", per_sample_weights: torch.Tensor | None = None,
-                    ticket: Ticket | None = None) -> None:
+                    ticket: Ticket | None = None, stepped: list[int] | None = None) -> None:
         """The backward of :meth:`lookup_bags` fused with the optimizer step.
 
         ``grad [len(offsets), max_dim]`` is the gradient of the pooled bags (columns past
         a table's dim are ignored).  Each distinct row takes one optimizer step with the
-        sum of its ids' gradients, in place in its tier; NaN/inf is refused first.
+        sum of its ids' gradients, in place in its tier; NaN/inf is refused first.  Given
+        the same (unchanged) tensors as the preceding :meth:`lookup_bags`, it reuses that
+        lookup's validation, dedup and placement (the placement even after other batches
+        moved rows, when the batch's prefetch ticket pins all its rows on the device).
+        ``stepped``: table indices that take an optimizer step even without ids in this
+        batch (the collection passes all its tables: Adam's step count then follows
+        ``torch.optim.SparseAdam`` on an ``nn.EmbeddingBag`` that saw an empty batch).
         """
         with self._lock:
             self._check_open()
-            t, k = self._multi_ids(tables, ids)
-            n = k.numel()
-            offsets = self._offsets(n, offsets)
-            bag, scale = self._bags(n, offsets, mode, per_sample_weights)
+            m = self._multi_memo
+            if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights):
+                b, bag, scale, nbags = m.b, m.bag, m.scale, m.nbags
+                p = m.p if m.placement_valid(self._epoch, ticket) else None
+                t = k = None
+            else:
+                t, k = self._multi_ids(tables, ids)
+                offsets = self._offsets(k.numel(), offsets)
+                bag, scale = self._bags(k.numel(), offsets, mode, per_sample_weights)
+                b, p, nbags = None, None, offsets.numel()
             D = self.max_dim
-            if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() \
-                    or tuple(grad.shape) != (offsets.numel(), D):
-                raise InvalidArgumentError(f"grad must be a float tensor of shape {(offsets.numel(), D)}")
-            if n == 0:
+            if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or tuple(grad.shape) != (nbags, D):
+                raise InvalidArgumentError(f"grad must be a float tensor of shape {(nbags, D)}")
+            if bag.numel() == 0:
+                for ti in stepped or ():
+                    self._steps[ti] += 1
                 return
             g_ids = grad.detach().to(self.device, torch.float32).index_select(0, bag)
             if scale is not None:
                 g_ids.mul_(scale.unsqueeze(1))
-            self._update_multi(tables, ids, t, k, g_ids, ticket)
+            if b is None:
+                b = self._batch_multi(t, k)
+                p = self._locate(b) if ticket is not None and ticket.pinned else None
+            self._update_multi(b, p, g_ids, stepped)
 
-    def _update_multi(self, tables, ids, t, k, g_ids, ticket) -> None:
-        m = self._multi_memo
-        if m is not None and m[0] is ids and m[1] == ids._version and m[2] is tables and m[5] == self._epoch:
-            b, p = m[3], m[4]
-        else:
-            b = self._batch_multi(t, k)
-            p = self._locate(b) if ticket is not None and ticket.pinned else None
+    def _update_multi(self, b, p, g_ids, stepped=None) -> None:
         g = torch.zeros((b.k.numel(), g_ids.shape[1]), dtype=torch.float32, device=self.device)
         g.index_add_(0, b.inverse, g_ids)
         if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
@@ -312,6 +487,8 @@ class BatchedOps:
         # one optimizer call per group of tables with the same dim, width and step count
         groups: dict[tuple, list[int]] = defaultdict(list)
         present = torch.unique(b.t).tolist()
+        for ti in set(stepped or ()) - set(present):  # in the batch without ids: a step, as SparseAdam's
+            self._steps[ti] += 1
         for ti in present:
             self._steps[ti] += 1
             groups[(self.tables[ti].dim, self.widths[ti], self._steps[ti])].append(ti)

@@ -61,6 +61,21 @@ def _stats(a: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(a: argparse.Namespace) -> int:
+    from .sharding import plan
+    from .sharding.config import format_plan, load_config
+
+    c = load_config(a.config)
+    p = plan(c.tables, c.topology, c.batch_size, c.optimizer)
+    if a.json:
+        print(p.to_json(indent=2))
+    else:
+        print(format_plan(p))
+        print(f"\nslowest rank: {p.estimated_ms:.4f} ms estimated per step "
+              f"({len(p.tables)} tables, {p.world_size} ranks)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hiermem", description="Hierarchical embedding memory for PyTorch.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -94,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="print a store's layout and counters")
     s.add_argument("path")
     s.set_defaults(fn=_stats)
+    pl = sub.add_parser("plan", help="plan table/row/column/data-parallel sharding and tiers (TOML or JSON config)")
+    pl.add_argument("config", help="e.g. hiermem/sharding/example_plan.toml")
+    pl.add_argument("--json", action="store_true", help="print the ShardingPlan as JSON")
+    pl.set_defaults(fn=_plan)
+    from .sim.cli import add_commands  # trace import, sim, tune (offline policy tuning)
+
+    add_commands(sub)
     return p
 
 

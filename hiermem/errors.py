@@ -63,3 +63,16 @@ class DiskFullError(HierMemError, OSError):
 
 class PolicyFileError(HierMemError, ValueError):
     """A policy file is unreadable, names an unknown policy, or has unknown keys."""
+
+
+class TraceFormatError(HierMemError):
+    """A path is not a hiermem access trace, or its manifest or a chunk is corrupt."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+class MissingDependencyError(HierMemError, ImportError):
+    """An optional dependency is not installed (the message names the pip extra)."""

@@ -54,6 +54,16 @@ class EvictionPolicy(ABC):
     def on_remove(self, slots: torch.Tensor) -> None:
         """Rows left ``slots`` (evicted, promoted or dropped)."""
 
+    #: True for policies that use :meth:`on_lookahead` (the store's prefetch pipeline and
+    #: the simulator call it only for them).
+    wants_lookahead: ClassVar[bool] = False
+
+    def on_lookahead(self, slots: torch.Tensor) -> None:
+        """The rows in ``slots`` will be used by the next ``window`` batches; this set
+        replaces the previous call's.  Called before a batch's lookup is resolved, by
+        whoever knows the future: the simulator (from the trace) or the prefetch pipeline
+        (from its queue of upcoming batches).  Default: ignored."""
+
     def carry(self, slots: torch.Tensor) -> torch.Tensor:
         """State to hand to another tier when rows move (keeps recency/frequency)."""
         return self.key.index_select(0, slots)
@@ -175,3 +185,7 @@ def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
     except (TypeError, ValueError) as e:
         raise PolicyFileError(f"{path}: bad parameters for {name!r}: {e}") from e
     return spec
+
+
+from . import eviction_ext  # noqa: E402,F401  (registers lfu_decay and lookahead)
+

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .batched import Ticket
 from .errors import InvalidArgumentError, InvalidTypeError
 from .features import SparseFeatures
 from .store import HierarchicalStore
@@ -45,7 +44,8 @@ class _PooledLookup(torch.autograd.Function):
         tables, ids, offsets, weights = ctx.args
         module = ctx.module
         try:
-            module.store.update_bags(tables, ids, offsets, grad.contiguous(), module.mode, weights, ticket=ctx.ticket)
+            module.store.update_bags(tables, ids, offsets, grad.contiguous(), module.mode, weights, ticket=ctx.ticket,
+                                     stepped=module._all_tables)
         finally:
             if ctx.pending is not None:
                 ctx.pending.release()
@@ -87,6 +87,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.names = [s.name for s in self.tables]
         self._pending: dict[int, object] = {}  # id(features) -> a PrefetchPipeline's handle
         self._cols: dict[tuple, torch.Tensor] = {}
+        self._all_tables = list(range(len(self.tables)))
 
     # -- construction ---------------------------------------------------------------
     @classmethod

@@ -59,6 +59,28 @@ class Optimizer(ABC):
         self.apply(rec, grad, dim, step)
         view.index_copy_(0, slots, rec)
 
+    def row_statistic(self, grad: torch.Tensor, full_dim: int) -> torch.Tensor | None:
+        """This shard's part ``[n]`` of a per-row statistic over all ``full_dim`` columns.
+
+        ``None`` (the default) when the update is column-separable, so a column shard
+        needs nothing from the others.  Otherwise the parts of every column shard add up
+        to the statistic, which :meth:`apply_with_row_stat` then takes.
+        """
+        return None
+
+    def apply_with_row_stat(self, rec: torch.Tensor, grad: torch.Tensor, dim: int, step: int,
+                            stat: torch.Tensor) -> None:
+        """:meth:`apply` with the per-row statistic ``stat [n]`` given (column shards)."""
+        raise InvalidArgumentError(f"optimizer {self.name} has no per-row statistic")
+
+    def apply_slots_with_row_stat(self, data: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, dim: int,
+                                  width: int, step: int, stat: torch.Tensor) -> None:
+        """:meth:`apply_slots` with the per-row statistic given."""
+        view = data if width == data.shape[1] else data[:, :width]
+        rec = view.index_select(0, slots)
+        self.apply_with_row_stat(rec, grad, dim, step, stat)
+        view.index_copy_(0, slots, rec)
+
     def to_dict(self) -> dict:
         return {"name": self.name, **asdict(self)}  # type: ignore[call-overload]
 
@@ -138,6 +160,14 @@ class RowWiseAdagrad(Optimizer):
     def apply(self, rec, grad, dim, step):
         acc = rec[:, dim : dim + 1]
         acc.add_(grad.square().mean(dim=1, keepdim=True))
+        rec[:, :dim].addcdiv_(grad, acc.sqrt().add_(self.eps), value=-self.lr)
+
+    def row_statistic(self, grad, full_dim):
+        return grad.square().sum(dim=1).div_(full_dim)  # parts of mean(g*g) over the full row
+
+    def apply_with_row_stat(self, rec, grad, dim, step, stat):
+        acc = rec[:, dim : dim + 1]
+        acc.add_(stat.unsqueeze(1))
         rec[:, :dim].addcdiv_(grad, acc.sqrt().add_(self.eps), value=-self.lr)
 
 

@@ -111,6 +111,7 @@ class _Handle:
     features: Any
     tables: torch.Tensor
     ids: torch.Tensor
+    index: int = 0
     result: Ticket | None = None
     submitted: bool = False
     next: "_Handle | None" = None  # the batch k steps later, prefetched after this lookup
@@ -127,6 +128,9 @@ class _Handle:
         t0 = time.perf_counter()
         p._worker.wait_idle(p.timeout)
         p.wait_seconds += time.perf_counter() - t0
+        r = self.result
+        if r is None or (not r.pinned and not r.accounted):  # a plain, accounted lookup follows
+            p._set_lookahead(self)
         if late and self.result is not None:
             with p.store._lock:
                 p.store.counters.add_io(IO.LATE_PREFETCHES, len(self.result))
@@ -178,6 +182,12 @@ class PrefetchPipeline:
         self._ahead: deque = deque()  # (batch, handle) read but not yet yielded
         self._live: deque = deque()  # handles yielded, not yet released
         self._recent: deque = deque(maxlen=depth)  # the last `depth` handles read
+        # a lookahead policy sees the ids of `window` batches past each prefetched one
+        # (window 0: the prefetch depth), so the loader is read that much further ahead
+        pol = self.store._dev.policy
+        self._window = (int(getattr(pol, "window", 0) or 0) or depth) if self.store.wants_lookahead else 0
+        self._index: dict[int, _Handle] = {}  # handles by batch index, while they may be needed
+        self._nread = 0
         self._exhausted = False
         self._worker = _Worker(self.store.device)
         self.wait_seconds = 0.0
@@ -186,7 +196,10 @@ class PrefetchPipeline:
         self._depth_sum = 0
         self.min_effective_depth = depth
         self._closed = False
+        self._initial: list[_Handle] = []
         self._fill()
+        for h in self._initial:
+            self._submit(h)
 
     # -- internals ---------------------------------------------------------------------
     def _read(self) -> bool:
@@ -199,10 +212,14 @@ class PrefetchPipeline:
         sf = self.module._features(f)
         index = {n: i for i, n in enumerate(self.module.names)}
         key_t = torch.tensor([index[k] for k in sf.keys], dtype=torch.int64)
-        h = _Handle(self, f, torch.repeat_interleave(key_t, sf.key_lengths().cpu()), sf.values.to(torch.int64))
+        h = _Handle(self, f, torch.repeat_interleave(key_t, sf.key_lengths().cpu()), sf.values.to(torch.int64),
+                    index=self._nread)
+        self._index[self._nread] = h
+        self._index.pop(self._nread - self.depth - 2 * self._window - 2, None)
+        self._nread += 1
         self.module._pending[id(f)] = h
-        if len(self._recent) < self.depth:  # the first k batches are prefetched at once
-            self._submit(h)
+        if len(self._recent) < self.depth:  # the first k batches: prefetched once the window is read
+            self._initial.append(h)
         else:  # batch j is prefetched right after the lookup of batch j - depth
             prev = self._recent[0]
             if prev.looked or prev.released:
@@ -220,13 +237,24 @@ class PrefetchPipeline:
 
         def job():
             try:
+                self._set_lookahead(h)
                 h.result = self.store.prefetch(h.tables, h.ids)
             finally:
                 h.done.set()
         self._worker.submit(job)
 
+    def _set_lookahead(self, h: _Handle) -> None:
+        """Tell a lookahead policy the rows of the ``window`` batches after ``h``."""
+        if not self._window:
+            return
+        nxt = [self._index[j] for j in range(h.index + 1, h.index + 1 + self._window) if j in self._index]
+        if nxt:
+            self.store.set_lookahead(torch.cat([x.tables for x in nxt]), torch.cat([x.ids for x in nxt]))
+        else:
+            self.store.set_lookahead(h.tables[:0], h.ids[:0])
+
     def _fill(self) -> None:
-        while not self._exhausted and len(self._ahead) < self.depth + 1:
+        while not self._exhausted and len(self._ahead) < self.depth + 1 + self._window:
             self._read()
 
     # -- iteration -------------------------------------------------------------------

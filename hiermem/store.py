@@ -20,15 +20,12 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from functools import wraps
 from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidIdError, InvalidTypeError,
                      LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError,
@@ -37,7 +34,7 @@ from .eviction import resolve_policy
 from .hashing import mix_scalar, uniform_rows
 from .index import SlotIndex
 from .optim import Optimizer, optimizer_from_dict
-from .batched import BatchedOps, Ticket
+from .batched import BatchedOps
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
@@ -136,8 +133,11 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._clock = 0
         self._epoch = 0  # bumped whenever any row changes tier
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
+        self._recorder = None  # a hiermem.sim.trace.TraceRecorder while recording
         self._setup_batched()
         self._closed = False
+        if config.trace_path is not None:
+            self.record(config.trace_path)
         from .metrics import STORES
         STORES.add(self)  # a weak reference; metrics are read only when scraped
 
@@ -148,12 +148,13 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
         ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
         of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``,
-        ``sync_writebacks``).
+        ``sync_writebacks``, ``trace_path``).
 
         Raises:
             StoreFormatError: ``path`` is not a hiermem store, or is corrupt.
         """
-        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks"}
+        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks",
+                                "trace_path"}
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
         with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
@@ -308,9 +309,14 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 nbytes += int(f.sum()) * w * 4
             new = m[~f]
             if new.numel():
-                rec[new, :w] = initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, k[new])
+                rec[new, :w] = self._initial_records(ti, k[new])
         self.counters.add_io(IO.BYTES_DISK_TO_HOST, nbytes)
         return rec, found
+
+    def _initial_records(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
+        """Records ``[n, widths[ti]]`` of rows of table ``ti`` never written (a hook: a shard
+        store derives them from its logical table, see :mod:`hiermem.sharding`)."""
+        return initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, ids)
 
     def _write_down(self, rows: Rows, meta: bool = True, sync: bool = False) -> int:
         """Write rows (cpu) to LMDB in one transaction (with the metadata)."""
@@ -444,11 +450,15 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         c.bump(Tier.DISK, Stat.HITS, t[found])
         c.bump(Tier.DISK, Stat.MISSES, t[~found])
 
-    def _place(self, b: Batch, account: bool) -> Placement:
+    def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
         if not account:
             return self._resolve(b, torch.full_like(b.k, self._clock), False)
+        if self._soon is not None:  # a lookahead policy learns which resident rows come back soon
+            self._mark_soon()
         p = self._resolve(b, b.lastpos + self._clock, True)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
+        if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
+            self._recorder.record(b)
         return p
 
     def _gather(self, p: Placement, cols: int) -> torch.Tensor:
@@ -515,87 +525,6 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             return src.index_select(0, p.slot.index_select(0, b.inverse))
         return self._gather(p, dim).index_select(0, b.inverse)
 
-    def _offsets(self, n: int, offsets) -> torch.Tensor:
-        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
-                or offsets.dim() != 1:
-            raise InvalidTypeError("offsets must be a 1-D int64/int32 tensor")
-        offsets = offsets.to(self.device, torch.int64)
-        if offsets.numel() == 0:
-            raise InvalidArgumentError("offsets must have one entry per bag (at least one)")
-        if int(offsets[0]) != 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any()):
-            raise InvalidArgumentError(f"offsets must start at 0, not decrease and not pass len(ids)={n}")
-        return offsets
-
-    def _bags(self, n: int, offsets: torch.Tensor, mode: str, psw) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bag of each id, and the per-id scale (per-sample weight, 1/len for mean)."""
-        if mode not in ("sum", "mean"):
-            raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
-        lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
-        bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=self.device), lengths)
-        scale = None
-        if psw is not None:
-            if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):
-                raise InvalidArgumentError(f"per_sample_weights must be a float tensor of shape ({n},)")
-            if mode != "sum":
-                raise InvalidArgumentError("per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
-            scale = psw.detach().to(self.device, torch.float32)
-        elif mode == "mean":
-            scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
-        return bag, scale
-
-    @timed("lookup_seconds")
-    def lookup_pooled(self, table: str, ids, offsets: torch.Tensor, mode: str = "sum",
-                      per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Pooled rows ``[len(offsets), dim]``, as ``nn.EmbeddingBag(ids, offsets)``.
-
-        Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]`` (the last runs to the end); an
-        empty bag pools to zeros.  Gather and pooling are one fused op when every row
-        is on the device tier.
-        """
-        with self._lock:
-            self._check_open()
-            ti = self.table_index(table)
-            ids = self._ids(ti, ids)
-            offsets = self._offsets(ids.numel(), offsets)
-            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
-            dim = self.tables[ti].dim
-            if ids.numel() == 0:
-                return torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
-            b = self._batch(ti, ids)
-            p = self._place(b, account=True)
-            self._memo = (ids, ids._version, b, p, self._epoch, ti)
-            if p.on_device is None:
-                src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
-                return F.embedding_bag(p.slot.index_select(0, b.inverse), src, offsets, mode=mode,
-                                       per_sample_weights=None if per_sample_weights is None else scale)
-            rows = self._rows(p, b, dim)
-            if scale is not None:
-                rows = rows * scale.unsqueeze(1)
-            out = torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
-            return out.index_add_(0, bag, rows)
-
-    @timed("update_seconds")
-    def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
-                      per_sample_weights: torch.Tensor | None = None) -> None:
-        """The backward of :meth:`lookup_pooled` fused with the optimizer step.
-
-        ``grad_output [len(offsets), dim]`` is the gradient of the pooled rows; each id
-        gets its bag's gradient (scaled by its weight, or ``1/len`` for mean), and then
-        :meth:`update` semantics apply.
-        """
-        with self._lock:
-            self._check_open()
-            ti = self.table_index(table)
-            ids_in = ids
-            ids = self._ids(ti, ids)
-            offsets = self._offsets(ids.numel(), offsets)
-            bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
-            grad_output = self._values(ti, offsets.numel(), grad_output, "grad_output", check_finite=False)
-            grads = grad_output.index_select(0, bag)
-            if scale is not None:
-                grads.mul_(scale.unsqueeze(1))
-            self._update(ti, ids_in, ids, grads)
-
     def _memo_for(self, ti: int, ids) -> tuple[Batch, Placement] | None:
         """The last lookup's batch and placement, if ``ids`` is that lookup's unchanged
         tensor of the same table and no row has changed tier since."""
@@ -643,6 +572,52 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
+    @timed("update_seconds")
+    def update_with_row_stat(self, table: str, ids, grads: torch.Tensor, row_stat: torch.Tensor) -> None:
+        """:meth:`update` of distinct rows whose optimizer statistic comes from outside.
+
+        For a column shard of a table under an optimizer with a per-row statistic
+        (:meth:`Optimizer.row_statistic`, e.g. row-wise Adagrad's ``mean(g*g)`` over the
+        *full* row): ``row_stat [n]`` is that statistic reduced over every column shard,
+        and ``grads [n, dim]`` this shard's columns of the summed gradients.
+
+        Raises:
+            InvalidArgumentError: ids repeat, ``row_stat`` has the wrong shape, or the
+                optimizer has no per-row statistic.
+            NonFiniteGradientError: NaN/inf in ``grads`` or ``row_stat``; nothing changed.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            grads = self._values(ti, ids.numel(), grads, "grads")
+            if not isinstance(row_stat, torch.Tensor) or not row_stat.is_floating_point() \
+                    or tuple(row_stat.shape) != (ids.numel(),):
+                raise InvalidArgumentError(f"row_stat must be a float tensor of shape ({ids.numel()},)")
+            row_stat = row_stat.detach().to(self.device, torch.float32)
+            if not bool(torch.isfinite(row_stat).all()):
+                raise NonFiniteGradientError(f"row_stat of table {table} contains NaN or inf; nothing changed")
+            if self.optimizer.row_statistic(grads[:0], 1) is None:
+                raise InvalidArgumentError(f"optimizer {self.optimizer.name} has no per-row statistic")
+            if ids.numel() == 0:
+                return
+            b = self._batch(ti, ids)
+            if b.k.numel() != ids.numel():
+                raise InvalidArgumentError("update_with_row_stat needs distinct ids")
+            p = self._place(b, account=False)
+            self._steps[ti] += 1
+            dim = self.tables[ti].dim
+            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel(), device=self.device))
+            g, st = grads.index_select(0, order), row_stat.index_select(0, order)  # in b.k order
+            for tier, slots, idx in self._parts(p):
+                gi = g if idx is None else g.index_select(0, idx).to(tier.device)
+                si = st if idx is None else st.index_select(0, idx).to(tier.device)
+                self.optimizer.apply_slots_with_row_stat(tier.data, slots, gi, dim, self.widths[ti],
+                                                         self._steps[ti], si)
+                tier.dirty[slots] = True
+            self.counters.add_io(IO.UPDATES, 1)
+            self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+
     def write(self, table: str, ids, values: torch.Tensor) -> None:
         """Set the weights of rows (e.g. to import an ``nn.EmbeddingBag``).
 
@@ -686,6 +661,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             if self._closed:
                 return
             try:
+                self.stop_recording()
                 self.flush()
             finally:
                 self._closed = True
@@ -776,3 +752,22 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         return (f"HierarchicalStore({self.path}, tables={[s.name for s in self.tables]}, "
                 f"device={self.device}, device_rows={self._dev.capacity}, host_rows={self._host.capacity}, "
                 f"policy={self.policy.name}, optimizer={self.optimizer.name})")
+
+    # -- trace capture (hiermem.sim) ------------------------------------------------------
+    def record(self, path, updates: bool = True, chunk_accesses: int = 1 << 20) -> None:
+        """Record every lookup batch, in batch order, to a trace (:mod:`hiermem.sim.trace`);
+        ``updates``: a training trace.  Raises InvalidArgumentError when already recording."""
+        from .sim.trace import TraceRecorder
+
+        with self._lock:
+            self._check_open()
+            if self._recorder is not None:
+                raise InvalidArgumentError(f"already recording to {self._recorder.path}")
+            self._recorder = TraceRecorder(path, [s.name for s in self.tables], updates=updates,
+                                           chunk_accesses=chunk_accesses, source=f"store:{self.path}")
+
+    def stop_recording(self) -> Path | None:
+        """Finish the trace being recorded; returns its path (None when not recording)."""
+        with self._lock:
+            rec, self._recorder = self._recorder, None
+            return rec.close() if rec is not None else None

@@ -109,6 +109,8 @@ class StoreConfig:
             ``flush()``.  Off by default: a process crash (even SIGKILL) loses nothing
             committed either way, since the OS holds the pages; on with power-loss or
             OS-crash exposure between flushes, at one fsync per evicting batch.
+        trace_path: if set, record every lookup batch to this trace directory
+            (:meth:`HierarchicalStore.record`), for offline policy tuning.
     """
 
     path: Union[str, os.PathLike]
@@ -120,6 +122,7 @@ class StoreConfig:
     seed: int = 0
     map_size: int = 1 << 28
     sync_writebacks: bool = False
+    trace_path: Optional[Union[str, os.PathLike]] = None
 
     def __post_init__(self) -> None:
         for name in ("device_rows", "host_rows"):
@@ -134,6 +137,8 @@ class StoreConfig:
             raise InvalidArgumentError("map_size must be an int >= 1 MiB")
         if not isinstance(self.sync_writebacks, bool):
             raise InvalidTypeError("sync_writebacks must be a bool")
+        if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):
+            raise InvalidTypeError("trace_path must be a path or None")
         if not isinstance(self.policy, (str, os.PathLike)):
             raise InvalidTypeError("policy must be a name or a path")
         if self.optimizer is None:

@@ -18,3 +18,11 @@ if [ -n "$extras" ]; then
 else
     "$PY" -m pip install --quiet -e .
 fi
+# torchrec (for the KeyedJaggedTensor test) pairs with the CPU torch 2.13 build only; a plain
+# `pip install torchrec` would pull the CUDA fbgemm, so its dependencies go in by hand.
+if [[ ",$extras," == *",test,"* ]] && "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0' or torch.version.cuda is not None)" 2>/dev/null; then
+    if ! "$PY" -c "import torchrec" >/dev/null 2>&1; then
+        "$PY" -m pip install --quiet "fbgemm-gpu-cpu==1.8.0" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
+        "$PY" -m pip install --quiet --no-deps "torchrec==1.8.0"
+    fi
+fi

@@ -38,3 +38,16 @@ def test_cuda_store_matches_flat_reference(tmp_path, opt):
     ids = torch.arange(0, 500, 7)
     torch.testing.assert_close(again.lookup("a", ids.cuda()).cpu(), ref.lookup("a", ids), atol=1e-6, rtol=1e-5)
     again.close()
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_cuda_module_with_prefetch_matches_plain_embedding_bags(tmp_path, depth):
+    """The fused module on a CUDA device tier, prefetching on a side stream from pinned host memory."""
+    from test_modules import _train
+
+    ref_losses, ref_final, _ = _train("plain", "rowwise_adagrad", 20, tmp_path)
+    cuda_args = dict(device="cuda")
+    losses, final, _ = _train("hm", "rowwise_adagrad", 20, tmp_path, depth=depth, **cuda_args)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)  # GPU matmuls
+    for n in ref_final:
+        torch.testing.assert_close(final[n].cpu(), ref_final[n], rtol=1e-4, atol=1e-5)

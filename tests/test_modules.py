@@ -63,7 +63,7 @@ class RowWiseAdagradRef:
 
 
 def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=260, policy="lru", mode="sum",
-           weights=False):
+           weights=False, device="cpu"):
     """Train the DLRM; returns (losses, final weights per table, pipeline stats)."""
     torch.manual_seed(0)
     plain = PlainEmbeddingBags(_tables(), mode=mode)  # same initial rows for every kind
@@ -75,7 +75,7 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
     else:
         opt = hm.SGD(lr=lr) if opt_name == "sgd" else hm.RowWiseAdagrad(lr=lr, eps=eps)
         cfg = hm.StoreConfig(path=tmp_path / f"{kind}-{opt_name}-{depth}-{policy}", device_rows=device_rows,
-                             host_rows=host_rows, policy=policy, optimizer=opt)
+                             host_rows=host_rows, policy=policy, optimizer=opt, device=device)
         emb = hm.CachedEmbeddingBagCollection.from_embedding_bags(dict(plain.bags.items()), cfg)
         eopt = None
     torch.manual_seed(1)
@@ -84,7 +84,10 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
     data = _batches(steps, weights=weights)
     pipe = hm.PrefetchPipeline(data, emb, depth=depth) if depth else None
     losses = []
+    model.to(device if kind != "plain" else "cpu")
     for dense, feats, labels in (pipe if pipe else data):
+        if kind != "plain":
+            dense, labels = dense.to(device), labels.to(device)
         loss = nn.functional.binary_cross_entropy_with_logits(model(dense, feats), labels)
         dopt.zero_grad()
         if eopt is not None and opt_name == "sgd":
@@ -99,7 +102,7 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
         final = {n: b.weight.detach().clone() for n, b in plain.bags.items()}
     else:
         emb.store.audit()
-        final = {n: emb.store.lookup(n, torch.arange(R)) for n in emb.names}
+        final = {n: emb.store.lookup(n, torch.arange(R)).cpu() for n in emb.names}
         assert int(emb.store._dev.pins.sum()) == 0 and int(emb.store._host.pins.sum()) == 0
         emb.store.close()
     return losses, final, stats
@@ -298,3 +301,33 @@ def test_checkpoint_survives_sigkill_and_resume_reproduces_losses(tmp_path):
     assert losses.numel() == 30
     torch.testing.assert_close(losses[step:], ref_losses[step:], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses[:step], ref_losses[:step], rtol=0, atol=0)
+
+
+def test_adam_through_the_module_equals_sparse_adam_with_empty_tables(tmp_path):
+    """A table with no ids in a batch still takes a step (as SparseAdam's state['step'])."""
+    torch.manual_seed(0)
+    bags = {"a": nn.EmbeddingBag(40, 4, mode="sum", sparse=True), "b": nn.EmbeddingBag(40, 4, mode="sum", sparse=True)}
+    ref = {k: nn.EmbeddingBag(40, 4, mode="sum", sparse=True) for k in bags}
+    for k in bags:
+        ref[k].weight.data.copy_(bags[k].weight.data)
+    m = hm.CachedEmbeddingBagCollection.from_embedding_bags(
+        bags, hm.StoreConfig(path=tmp_path / "s", device_rows=6, host_rows=60, optimizer=hm.Adam(lr=0.05)))
+    opt = torch.optim.SparseAdam([r.weight for r in ref.values()], lr=0.05)
+    g = torch.Generator().manual_seed(3)
+    for step in range(15):
+        nb = 0 if step % 3 == 1 else 2  # table b has no ids every third step
+        la = torch.randint(1, 3, (4,), generator=g)
+        lb = torch.randint(1, 3, (4,), generator=g) * (nb > 0)
+        va = torch.randint(0, 40, (int(la.sum()),), generator=g)
+        vb = torch.randint(0, 40, (int(lb.sum()),), generator=g)
+        f = hm.SparseFeatures(("a", "b"), torch.cat((va, vb)), torch.cat((la, lb)))
+        target = torch.randn(4, 8, generator=g)
+        ((m(f) - target) ** 2).sum().backward()
+        d = f.to_dict()
+        out = torch.cat([ref[k](d[k][0], d[k][1]) for k in ("a", "b")], 1)
+        opt.zero_grad()
+        ((out - target) ** 2).sum().backward()
+        opt.step()
+    for k in bags:
+        torch.testing.assert_close(m.store.lookup(k, torch.arange(40)), ref[k].weight.detach(), rtol=1e-5, atol=1e-6)
+    m.store.close()

@@ -1,0 +1,127 @@
+"""Simulator throughput and LRU miss-ratio-curve cost, against baselines in the same run.
+
+    python scripts/bench_sim.py [--quick] [--accesses N] [--batch IDS]
+
+* ``sim``: hiermem's batch-granular simulator (LRU, LFU) on a Zipf trace (alpha 1.05 over
+  1 M rows), batches of 65,536 ids, device 50 k rows + host 200 k rows; accesses/s
+  include loading the trace and building the simulator (dense row numbering) as well as
+  the replay (reported alone too).
+* ``libcachesim``: its LRU over the same ids (per access, oracleGeneral binary trace;
+  trace-file writing not timed).
+* ``mrc20``: the exact per-access LRU curve at 20 capacities from one stack-distance pass
+  (hiermem.sim.bounds.lru_mrc) vs one simulation (the LRU sim above); ``--quick`` measures
+  one simulation and reports 20 x that for "20 separate simulations", the full run times
+  20 of them.
+
+The last line is JSON with ``sim_accesses_per_s``, ``libcachesim_accesses_per_s`` and
+``mrc20_over_single``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hiermem.data import ZipfIds  # noqa: E402
+from hiermem.sim import SimConfig, simulate, write_trace  # noqa: E402
+from hiermem.sim.bounds import dense_ids, lru_mrc, next_use  # noqa: E402
+
+
+def _trace(tmp: Path, n: int, batch: int) -> tuple[Path, np.ndarray]:
+    ids = ZipfIds(1_000_000, 1.05, 0)(n)
+    nb = n // batch
+    ids = ids[:nb * batch]
+    return write_trace(tmp / "zipf", ["z"], ids, np.full((nb, 1), batch)), ids
+
+
+def _sim(path: Path, policy: str, device: int, host: int) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    r = simulate(path, SimConfig(device_rows=device, host_rows=host, policy=policy))
+    return time.perf_counter() - t0, r
+
+
+def _libcachesim(tmp: Path, ids: np.ndarray, cap: int) -> tuple[float | None, int | None]:
+    try:
+        import libcachesim as lcs
+    except ImportError:
+        return None, None
+    d = dense_ids(ids)
+    nxt = next_use(d)
+    rec = np.zeros(ids.size, dtype=np.dtype([("t", "<u4"), ("id", "<u8"), ("sz", "<u4"), ("nx", "<i8")]))
+    rec["t"] = np.arange(ids.size) // 1000
+    rec["id"] = d + 1
+    rec["sz"] = 1
+    rec["nx"] = np.where(nxt < ids.size, nxt, -1)
+    f = tmp / "zipf.oracleGeneral"
+    rec.tofile(f)
+    t0 = time.perf_counter()
+    ratio, _ = lcs.LRU(cap, hashpower=21).process_trace(lcs.TraceReader(str(f), lcs.TraceType.ORACLE_GENERAL_TRACE))
+    return time.perf_counter() - t0, round(ratio * ids.size)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="< 60 s: one simulation stands for each of the 20")
+    ap.add_argument("--accesses", type=int, default=10_000_000)
+    ap.add_argument("--batch", type=int, default=65_536, help="ids per batch (e.g. 2048 samples x 32 features)")
+    a = ap.parse_args()
+    D, H = 50_000, 200_000
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        path, ids = _trace(tmp, a.accesses, a.batch)
+        n = ids.size
+        out: dict = {"accesses": n, "batch_ids": a.batch, "device_rows": D, "host_rows": H}
+        for policy in ("lru", "lfu"):
+            secs, r = _sim(path, policy, D, H)
+            out[f"sim_{policy}_seconds"] = secs
+            out[f"sim_{policy}_accesses_per_s"] = n / secs
+            out[f"sim_{policy}_device_hit_rate"] = r.hit_rate
+            out[f"sim_{policy}_replay_accesses_per_s"] = n / r.seconds  # without loading + dense numbering
+            print(f"sim {policy}: {secs:.2f} s, {n / secs / 1e6:.2f} M accesses/s "
+                  f"(replay alone {n / r.seconds / 1e6:.2f} M/s), device hit rate {r.hit_rate:.4f}")
+        secs, misses = _libcachesim(tmp, ids, D)
+        if secs is not None:
+            out["libcachesim_lru_seconds"] = secs
+            out["libcachesim_accesses_per_s"] = n / secs
+            out["libcachesim_lru_misses"] = misses
+            print(f"libcachesim LRU (per access): {secs:.2f} s, {n / secs / 1e6:.2f} M accesses/s")
+        t0 = time.perf_counter()
+        mrc = lru_mrc(ids)
+        caps = np.unique(np.geomspace(1000, 400_000, 20).astype(np.int64))
+        curve = mrc.misses(caps)
+        mrc_secs = time.perf_counter() - t0
+        out["mrc20_seconds"] = mrc_secs
+        out["mrc_lru_misses_at_device_rows"] = mrc.misses(D)
+        if misses is not None:
+            out["mrc_equals_libcachesim"] = mrc.misses(D) == misses
+        single = out["sim_lru_seconds"]
+        if a.quick:
+            twenty = 20 * single
+        else:
+            t0 = time.perf_counter()
+            for c in caps:
+                simulate(path, SimConfig(device_rows=int(c), host_rows=H, policy="lru"))
+            twenty = time.perf_counter() - t0
+        out["twenty_sims_seconds"] = twenty
+        out["twenty_sims_measured"] = not a.quick
+        out["mrc20_over_single"] = mrc_secs / single
+        out["mrc20_over_twenty"] = mrc_secs / twenty
+        print(f"LRU curve, 20 capacities: {mrc_secs:.2f} s (one pass) vs one simulation {single:.2f} s, "
+              f"20 simulations {twenty:.2f} s{'' if not a.quick else ' (20 x one)'}; "
+              f"misses at 1k..400k: {curve.tolist()[:3]}...")
+        out["sim_accesses_per_s"] = min(out["sim_lru_accesses_per_s"], out["sim_lfu_accesses_per_s"])
+        out.setdefault("libcachesim_accesses_per_s", None)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -264,15 +264,18 @@ def pipeline_segment(store: hm.HierarchicalStore, ref: "Reference", log: "Log", 
     module = hm.CachedEmbeddingBagCollection(TABLES, store=store)
     real_update = store.update_bags
 
-    def update_bags(tables, ids, offsets, grad, mode="sum", per_sample_weights=None, ticket=None):
+    def update_bags(tables, ids, offsets, grad, mode="sum", per_sample_weights=None, ticket=None, stepped=None):
         with store._lock:
-            real_update(tables, ids, offsets, grad, mode, per_sample_weights, ticket=ticket)
+            real_update(tables, ids, offsets, grad, mode, per_sample_weights, ticket=ticket, stepped=stepped)
             lengths = torch.diff(offsets.cpu(), append=torch.tensor([ids.numel()]))
             g_ids = grad.detach().float().cpu()[torch.repeat_interleave(torch.arange(offsets.numel()), lengths)]
-            for ti in torch.unique(tables).tolist():
+            present = torch.unique(tables).tolist()
+            for ti in present:
                 m = (tables == ti).cpu()
                 pos = ref.update(ti, ids.cpu()[m], g_ids[m][:, :TABLES[ti].dim])
                 log.rows(ti, pos, ref.recs[ti].index_select(0, pos))
+            for ti in set(stepped or ()) - set(present):  # a step without ids (SparseAdam's count)
+                ref.steps[ti] += 1
     store.update_bags = update_bags
 
     def batches():

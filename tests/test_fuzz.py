@@ -431,3 +431,97 @@ def test_sparse_features_accept_exactly_the_batches_that_add_up(args):
         if weights is not None:
             assert torch.equal(w, weights[start:start + sum(lens)])
         start += sum(lens)
+
+
+# -- trace files, corrupted at random -------------------------------------------------------------
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from hiermem.errors import TraceFormatError  # noqa: E402
+from hiermem.sim.trace import TraceWriter, load_trace  # noqa: E402
+
+_TRACE_DIR = Path(tempfile.mkdtemp(prefix="hm-fuzz-trace-"))
+
+
+def _valid_trace() -> Path:
+    """A 3-table trace of 3 chunks, with per-id table indices (the ``tabs`` files)."""
+    path = _TRACE_DIR / "good"
+    if not (path / "manifest.json").exists():
+        g = np.random.default_rng(0)
+        w = TraceWriter(path, ["a", "b", "c"], chunk_accesses=40)
+        for _ in range(12):
+            lens = g.integers(0, 6, 3)
+            tabs = g.permutation(np.repeat(np.arange(3, dtype=np.int16), lens))
+            w.add_flat(g.integers(0, 2**40, int(lens.sum())), lens.astype(np.int64), tabs)
+        w.close()
+    return path
+
+
+@st.composite
+def corruption(draw):
+    files = sorted(p.name for p in _valid_trace().iterdir())
+    return (draw(st.sampled_from(files)), draw(st.sampled_from(["truncate", "flip", "append", "delete", "empty",
+                                                                "directory"])),
+            draw(st.floats(0, 1)), draw(st.integers(0, 255)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(corruption())
+def test_a_corrupted_trace_loads_consistently_or_raises_trace_format_error(c):
+    """Any one file of a trace truncated, a byte changed, garbage appended, deleted,
+    emptied or replaced by a directory: load_trace raises TraceFormatError naming a file
+    of the trace, or returns a trace whose parts agree (a changed id value inside a chunk
+    cannot be detected: traces carry no checksums).  Never another exception."""
+    name, how, where, byte = c
+    d = Path(tempfile.mkdtemp(dir=_TRACE_DIR))
+    t = d / "t"
+    shutil.copytree(_valid_trace(), t)
+    f = t / name
+    raw = f.read_bytes()
+    pos = min(int(where * len(raw)), max(0, len(raw) - 1))
+    if how == "truncate":
+        f.write_bytes(raw[:pos])
+    elif how == "flip":
+        f.write_bytes(raw[:pos] + bytes([byte if byte != raw[pos] else (byte + 1) % 256]) + raw[pos + 1:])
+    elif how == "append":
+        f.write_bytes(raw + os.urandom(1 + int(where * 64)))
+    elif how == "delete":
+        f.unlink()
+    elif how == "empty":
+        f.write_bytes(b"")
+    else:
+        f.unlink()
+        f.mkdir()
+    try:
+        tr = load_trace(t)
+    except TraceFormatError as e:
+        assert str(t) in str(e)
+    else:
+        assert int(tr.lens.sum()) == tr.accesses and tr.lens.shape[1] == len(tr.tables)
+        assert tr.batch_offsets[-1] == tr.accesses and (tr.ids >= 0).all()
+        if tr.tabs is not None:
+            assert tr.tabs.size == tr.accesses and ((tr.tabs >= 0) & (tr.tabs < len(tr.tables))).all()
+        assert sum(sum(x.size for x in b) for b in tr.batches()) == tr.accesses
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_chunk_header_claiming_a_huge_array_is_refused_before_allocating(tmp_path):
+    """A corrupt .npy header saying 10**12 ids used to make np.load allocate 7 TiB
+    (MemoryError); it is a TraceFormatError naming the chunk."""
+    src = _valid_trace()
+    t = tmp_path / "t"
+    shutil.copytree(src, t)
+    chunk = t / json.loads((t / "manifest.json").read_text())["chunks"][0]["ids"]
+    raw = chunk.read_bytes()
+    hlen = int.from_bytes(raw[8:10], "little")
+    header = raw[10:10 + hlen].decode()
+    shape = header[header.index("'shape': (") + 10:header.index(")", header.index("'shape': ("))]
+    huge = header.replace(f"'shape': ({shape})", "'shape': (1000000000000,)")
+    huge = huge.rstrip().ljust(hlen - 1) + "\n"
+    assert len(huge) == hlen
+    chunk.write_bytes(raw[:10] + huge.encode() + raw[10 + hlen:])
+    with pytest.raises(TraceFormatError) as ei:
+        load_trace(t)
+    assert chunk.name in str(ei.value)

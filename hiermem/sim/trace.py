@@ -33,6 +33,7 @@ import enum
 import json
 import os
 import threading
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -279,12 +280,25 @@ def _read_manifest(path: Path) -> dict:
     return doc
 
 
+def _check_npy_size(path: Path) -> None:
+    """Refuse a .npy whose header claims more data than the file holds (np.load would
+    first try to allocate it: a corrupt shape of 10**12 ids is a MemoryError)."""
+    with open(path, "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, _, dt = read(f)
+        need = int(np.prod(shape, dtype=object)) * dt.itemsize
+        if need > os.fstat(f.fileno()).st_size - f.tell():
+            raise _bad(path, f"corrupt trace chunk: its header claims {need} bytes the file does not hold")
+
+
 def _load_npy(path: Path, dtype, ndim: int) -> np.ndarray:
     try:
+        _check_npy_size(path)
         a = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise _bad(path, "trace chunk missing") from None
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError) as e:  # numpy parses the header
         raise _bad(path, f"corrupt trace chunk: {e}") from e
     if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim:
         raise _bad(path, f"trace chunk must be {np.dtype(dtype)} with {ndim} dims, got "
@@ -333,10 +347,11 @@ def _load_tabs(path: Path, chunk: dict, lens: np.ndarray, T: int) -> np.ndarray 
     if not isinstance(name, str) or "/" in name:
         raise _bad(path / MANIFEST, f"corrupt chunk entry {chunk!r}")
     tab = _load_npy(path / name, np.int16, 1)
-    ends = np.cumsum(lens.sum(1))[:-1]
+    if tab.size != int(lens.sum()) or (tab.size and (int(tab.min()) < 0 or int(tab.max()) >= T)):
+        raise _bad(path / name, "table indices disagree with the chunk's lens")
+    ends = np.cumsum(lens.sum(1))[:-1]  # (in range now: bincount refuses negative values)
     per = [np.bincount(x, minlength=T) for x in np.split(tab.astype(np.int64), ends)] if tab.size else []
-    if tab.size != int(lens.sum()) or (tab.size and (int(tab.min()) < 0 or int(tab.max()) >= T)) \
-            or (per and not np.array_equal(np.stack(per), lens)):
+    if per and not np.array_equal(np.stack(per), lens):
         raise _bad(path / name, "table indices disagree with the chunk's lens")
     return tab
 

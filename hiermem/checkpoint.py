@@ -34,14 +34,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def copy_store_files(src: Path, dst: Path) -> None:
-    """Copy a store directory's LMDB data file to a new directory ``dst`` atomically."""
+def _publish_dir(dst: Path, fill) -> None:
+    """Make the new directory ``dst`` atomically: ``fill(tmp)`` writes the store files
+    into a private temporary directory beside it, which is fsynced and renamed into
+    place (removed on any failure)."""
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700, parents=True)
     try:
+        fill(tmp)
         for f in _FILES:
-            shutil.copyfile(src / f, tmp / f)
             os.chmod(tmp / f, 0o600)
             with open(tmp / f, "rb+") as fh:
                 os.fsync(fh.fileno())
@@ -51,6 +53,14 @@ def copy_store_files(src: Path, dst: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def copy_store_files(src: Path, dst: Path) -> None:
+    """Copy a store directory's LMDB data file to a new directory ``dst`` atomically."""
+    def copy(tmp: Path) -> None:
+        for f in _FILES:
+            shutil.copyfile(src / f, tmp / f)
+    _publish_dir(dst, copy)
 
 
 class Checkpointing:
@@ -73,25 +83,15 @@ class Checkpointing:
             if dest.exists():
                 raise HierMemError(f"{dest}: checkpoint directory exists; pick a new one")
             self.flush()
-            tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(mode=0o700, parents=True)
-            try:
+
+            def copy(tmp: Path) -> None:
                 try:
                     self._disk.env.copy(str(tmp), compact=True)
                 except lmdb.Error as e:
                     if _disk_full(tmp, e):
                         raise DiskFullError(errno.ENOSPC, f"{dest}: disk full writing the checkpoint") from e
                     raise HierMemError(f"{dest}: checkpoint copy failed: {e}") from e
-                os.chmod(tmp / "data.mdb", 0o600)
-                with open(tmp / "data.mdb", "rb+") as fh:
-                    os.fsync(fh.fileno())
-                _fsync_dir(tmp)
-                os.rename(tmp, dest)
-                _fsync_dir(dest.parent)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            _publish_dir(dest, copy)
             return dest
 
     @classmethod

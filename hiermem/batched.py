@@ -231,8 +231,6 @@ class BatchedOps:
             if pinned + 2 * b.k.numel() > self._dev.capacity + self._host.capacity:
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
                 return Ticket(b.t, b.k, b.n, False, False, False)
-            g0 = self._keys.find(b.t, b.k)
-            was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
             try:
                 p = self._place(b, account=True, record=False)
             except CapacityError:  # nothing changed
@@ -240,8 +238,9 @@ class BatchedOps:
                 return Ticket(b.t, b.k, b.n, False, False, False)
             self._pin(p, 1)
             on_dev = p.on_device is None
-            now_dev = torch.ones_like(was_dev) if on_dev else p.on_device
-            self.counters.add_io(IO.PREFETCHED_ROWS, int((now_dev & ~was_dev).sum()))
+            if p.was_on_device is not None:  # None: every row was on the device already
+                now_dev = torch.ones_like(p.was_on_device) if on_dev else p.on_device
+                self.counters.add_io(IO.PREFETCHED_ROWS, int((now_dev & ~p.was_on_device).sum()))
             self.counters.add_io(IO.PREFETCHED_BATCHES, 1)
             self.counters.add_io(IO.PREFETCH_PINNED_ROWS, b.k.numel())
             if not on_dev:

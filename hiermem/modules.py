@@ -88,6 +88,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._pending: dict[int, object] = {}  # id(features) -> a PrefetchPipeline's handle
         self._cols: dict[tuple, torch.Tensor] = {}
         self._all_tables = list(range(len(self.tables)))
+        self._table_of = {n: i for i, n in enumerate(self.names)}
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -138,6 +139,11 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise InvalidArgumentError(f"features {sorted(f.keys)} do not match tables {sorted(self.names)}")
         return f
 
+    def id_tables(self, f: SparseFeatures) -> torch.Tensor:
+        """The table index of every id of ``f`` (int64, on the CPU)."""
+        key_t = torch.tensor([self._table_of[k] for k in f.keys], dtype=torch.int64)
+        return torch.repeat_interleave(key_t, f.key_lengths().cpu())
+
     def _columns(self, keys: tuple[str, ...]) -> torch.Tensor | None:
         """Columns of ``[B, len(keys) * max_dim]`` that form the output in table order."""
         ck = keys
@@ -156,10 +162,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         f = self._features(features)
         dev = self.store.device
         B, T = f.batch_size, len(f.keys)
-        index = {n: i for i, n in enumerate(self.names)}
-        key_t = torch.tensor([index[k] for k in f.keys], dtype=torch.int64)
         ids = f.values.to(dev, torch.int64)
-        tables = torch.repeat_interleave(key_t, f.key_lengths().cpu()).to(dev)
+        tables = self.id_tables(f).to(dev)
         offsets = f.offsets()[:-1].to(dev)
         weights = None if f.weights is None else f.weights.to(dev, torch.float32)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())

@@ -210,10 +210,7 @@ class PrefetchPipeline:
             return False
         f = self._features(batch)
         sf = self.module._features(f)
-        index = {n: i for i, n in enumerate(self.module.names)}
-        key_t = torch.tensor([index[k] for k in sf.keys], dtype=torch.int64)
-        h = _Handle(self, f, torch.repeat_interleave(key_t, sf.key_lengths().cpu()), sf.values.to(torch.int64),
-                    index=self._nread)
+        h = _Handle(self, f, self.module.id_tables(sf), sf.values.to(torch.int64), index=self._nread)
         self._index[self._nread] = h
         self._index.pop(self._nread - self.depth - 2 * self._window - 2, None)
         self._nread += 1

@@ -62,6 +62,7 @@ class Placement:
 
     on_device: torch.Tensor | None  # bool [U] (None: all on device)
     slot: torch.Tensor  # int64 [U], a slot of the device or host tier
+    was_on_device: torch.Tensor | None = None  # bool [U]: on the device before the resolve (None: all)
 
 
 @dataclass
@@ -425,7 +426,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             hidx = torch.cat((iC, iE)).to(dd)
             slot[mi[hidx]] = torch.cat((hs[iC], sE)).to(dd)
             on_device[mi[hidx]] = False
-        return Placement(None if bool(on_device.all()) else on_device, slot)
+        return Placement(None if bool(on_device.all()) else on_device, slot, in_dev)
 
     def _account_lookups(self, b: Batch, mi: torch.Tensor) -> None:
         c = self.counters

@@ -132,27 +132,20 @@ class BatchedOps:
 
     def _batch_multi(self, t: torch.Tensor, k: torch.Tensor):
         """Deduplicate ids of several tables at once (a :class:`~hiermem.store.Batch`)."""
-        from .store import Batch
+        from .store import Batch, dedup, runs
 
         n = k.numel()
         if self._linear is not None:
-            lin = self._linear.index_select(0, t) + k
-            u, inverse, counts = torch.unique(lin, sorted=True, return_inverse=True, return_counts=True)
+            u, inverse, counts, lastpos, perm, starts = dedup(self._linear.index_select(0, t) + k)
             ut = torch.searchsorted(self._linear, u, right=True) - 1
             uk = u - self._linear.index_select(0, ut)
         else:  # lexicographic (table, id) order from two stable sorts
             o1 = torch.argsort(k, stable=True)
-            o = o1.index_select(0, torch.argsort(t.index_select(0, o1), stable=True))
-            ts, ks = t.index_select(0, o), k.index_select(0, o)
-            new = torch.ones(n, dtype=torch.bool, device=k.device)
-            new[1:] = (ts[1:] != ts[:-1]) | (ks[1:] != ks[:-1])
-            gid = torch.cumsum(new, 0) - 1
-            inverse = torch.empty_like(gid).index_copy_(0, o, gid)
-            ut, uk = ts[new], ks[new]
-            counts = torch.bincount(gid, minlength=ut.numel())
-        lastpos = torch.zeros(uk.numel(), dtype=torch.int64, device=k.device)
-        lastpos.scatter_reduce_(0, inverse, torch.arange(n, device=k.device), "amax", include_self=False)
-        return Batch(ut, uk, inverse, counts, lastpos, n)
+            perm = o1.index_select(0, torch.argsort(t.index_select(0, o1), stable=True))
+            ts, ks = t.index_select(0, perm), k.index_select(0, perm)
+            starts, inverse, counts, lastpos = runs(perm, (ts[1:] != ts[:-1]) | (ks[1:] != ks[:-1]))
+            ut, uk = ts.index_select(0, starts), ks.index_select(0, starts)
+        return Batch(ut, uk, inverse, counts, lastpos, n, perm, starts)
 
     def _locate(self, b):
         """Placement of resident rows without moving anything (None if one is not resident)."""
@@ -358,11 +351,8 @@ class BatchedOps:
                     src, idx = src.index_select(0, idx), torch.arange(idx.numel(), device=self.device)
                 return F.embedding_bag(idx, src, offsets, mode=mode,
                                        per_sample_weights=None if per_sample_weights is None else scale)
-            rows = self._rows(p, b, dim)
-            if scale is not None:
-                rows = rows * scale.unsqueeze(1)
-            out = torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
-            return out.index_add_(0, bag, rows)
+            return F.embedding_bag(b.inverse, self._gather(p, dim), offsets, mode=mode,
+                                   per_sample_weights=None if per_sample_weights is None else scale)
 
     @timed("update_seconds")
     def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
@@ -421,11 +411,8 @@ class BatchedOps:
                     src, idx = self._dev.data[p.slot, :D], b.inverse
                 return F.embedding_bag(idx, src, offsets, mode=mode,
                                        per_sample_weights=None if per_sample_weights is None else scale)
-            rows = self._gather(p, D).index_select(0, b.inverse)
-            if scale is not None:
-                rows = rows * scale.unsqueeze(1)
-            out = torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
-            return out.index_add_(0, bag, rows)
+            return F.embedding_bag(b.inverse, self._gather(p, D), offsets, mode=mode,
+                                   per_sample_weights=None if per_sample_weights is None else scale)
 
     @timed("update_seconds")
     def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
@@ -462,17 +449,17 @@ class BatchedOps:
                 for ti in stepped or ():
                     self._steps[ti] += 1
                 return
-            g_ids = grad.detach().to(self.device, torch.float32).index_select(0, bag)
-            if scale is not None:
-                g_ids.mul_(scale.unsqueeze(1))
             if b is None:
                 b = self._batch_multi(t, k)
                 p = self._locate(b) if ticket is not None and ticket.pinned else None
-            self._update_multi(b, p, g_ids, stepped)
+            # each distinct row's gradient: the sum over its ids of their bag's gradient
+            # (times the id's scale), gathered and summed in one fused op
+            g = b.sum_rows(grad.detach().to(self.device, torch.float32).contiguous(), bag, scale)
+            self._update_multi(b, p, g, stepped)
 
-    def _update_multi(self, b, p, g_ids, stepped=None) -> None:
-        g = torch.zeros((b.k.numel(), g_ids.shape[1]), dtype=torch.float32, device=self.device)
-        g.index_add_(0, b.inverse, g_ids)
+    def _update_multi(self, b, p, g, stepped=None) -> None:
+        """Apply summed per-row gradients ``g [U, cols]`` of batch ``b`` (placement ``p``,
+        None: place it now) with one optimizer call per group of like tables."""
         if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
             raise NonFiniteGradientError("gradients contain NaN or inf (or their per-row sums overflow); "
                                          "nothing changed")

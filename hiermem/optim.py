@@ -102,11 +102,6 @@ class SGD(Optimizer):
     def apply(self, rec, grad, dim, step):
         rec[:, :dim].add_(grad, alpha=-self.lr)
 
-    def apply_slots(self, data, slots, grad, dim, width, step):
-        # no state: add straight into the slots (slots are distinct: one add per row)
-        view = data if dim == data.shape[1] else data[:, :dim]
-        view.index_add_(0, slots, grad, alpha=-self.lr)
-
 
 @dataclass(frozen=True)
 class Adagrad(Optimizer):

@@ -26,13 +26,14 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidIdError, InvalidTypeError,
                      LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError,
                      UnknownTableError)
 from .eviction import resolve_policy
 from .hashing import mix_scalar, uniform_rows
-from .index import SlotIndex
+from .index import make_index
 from .optim import Optimizer, optimizer_from_dict
 from .batched import BatchedOps
 from .checkpoint import Checkpointing
@@ -75,6 +76,53 @@ class Batch:
     counts: torch.Tensor  # int64 [U] occurrences
     lastpos: torch.Tensor  # int64 [U] position of the last occurrence
     n: int
+    perm: torch.Tensor | None = None  # int64 [n] input positions in (t, k) order, stable
+    starts: torch.Tensor | None = None  # int64 [U] where each distinct key's run starts in perm
+
+    def sum_rows(self, src: torch.Tensor, index: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Per distinct key, the sum over its occurrences ``j`` of ``src[index[j]] * weights[j]``
+        (``src[j]`` when ``index`` is None): ``[U, cols]`` float32.
+
+        One fused ``embedding_bag`` over the runs of the sorted order (no ``[n, cols]``
+        intermediate, and far faster than ``index_add_`` on CPU); occurrences add up in
+        input order, as ``index_add_`` would add them.
+        """
+        src = src.detach()
+        if self.perm is None:  # a batch built without its sort (a sub-batch)
+            rows = src if index is None else src.index_select(0, index)
+            if weights is not None:
+                rows = rows * weights.unsqueeze(1)
+            out = torch.zeros((self.k.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
+            return out.index_add_(0, self.inverse, rows)
+        idx = self.perm if index is None else index.index_select(0, self.perm)
+        w = None if weights is None else weights.detach().to(src.dtype).index_select(0, self.perm)
+        return F.embedding_bag(idx, src, self.starts, mode="sum", per_sample_weights=w)
+
+
+def dedup(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(unique, inverse, counts, lastpos, perm, starts)`` of int64 keys ``x`` from one
+    stable sort (``torch.unique`` sorts too, but returns neither the order nor the last
+    occurrence, which then costs a scatter)."""
+    s, perm = torch.sort(x, stable=True)
+    starts, inverse, counts, lastpos = runs(perm, s[1:] != s[:-1])
+    return s.index_select(0, starts), inverse, counts, lastpos, perm, starts
+
+
+def runs(perm: torch.Tensor, differs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(starts, inverse, counts, lastpos)`` of the runs of equal keys in a stable sort
+    ``perm`` of the input, whose sorted neighbours differ where ``differs [n-1]``."""
+    n = perm.numel()
+    new = torch.ones(n, dtype=torch.bool, device=perm.device)
+    new[1:] = differs
+    starts = new.nonzero().squeeze(1)
+    ends = torch.empty_like(starts)
+    if starts.numel():
+        ends[:-1] = starts[1:]
+        ends[-1] = n
+    inverse = torch.empty_like(perm).scatter_(0, perm, torch.cumsum(new, 0) - 1)
+    # in a stable sort the last of a run is the key's last occurrence in the input
+    return starts, inverse, ends - starts, perm.index_select(0, ends - 1)
 
 
 class HierarchicalStore(BatchedOps, Checkpointing):
@@ -125,7 +173,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             self._release_path(unlink=self._made_lock)
             raise
         cuda = torch.cuda.is_available()
-        self._keys = SlotIndex(config.device_rows + config.host_rows, self.device)
+        self._keys = make_index(config.device_rows + config.host_rows, [s.num_rows for s in tables], self.device)
         self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy,
                              self._keys, base=0)
         self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
@@ -286,11 +334,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         return values
 
     def _batch(self, ti: int, ids: torch.Tensor) -> Batch:
-        k, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
-        n = ids.numel()
-        lastpos = torch.zeros(k.numel(), dtype=torch.int64, device=self.device)
-        lastpos.scatter_reduce_(0, inverse, torch.arange(n, device=self.device), "amax", include_self=False)
-        return Batch(torch.full_like(k, ti), k, inverse, counts, lastpos, n)
+        k, inverse, counts, lastpos, perm, starts = dedup(ids)
+        return Batch(torch.full_like(k, ti), k, inverse, counts, lastpos, ids.numel(), perm, starts)
 
     # -- residency ----------------------------------------------------------------
     def _read(self, t: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -557,7 +602,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         memo = self._memo_for(ti, ids_in)
         b, p = memo if memo is not None else (self._batch(ti, ids), None)
         dim = self.tables[ti].dim
-        g = torch.zeros((b.k.numel(), dim), dtype=torch.float32, device=self.device).index_add_(0, b.inverse, grads)
+        g = b.sum_rows(grads.to(torch.float32))
         # NaN/inf in any gradient survives the per-row sums (inf-inf is NaN), so one
         # reduction over the summed rows checks them all, before anything changes
         if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):

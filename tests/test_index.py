@@ -1,4 +1,4 @@
-"""SlotIndex against a dict, under inserts, removals, moves and rebuilds."""
+"""SlotIndex and DirectIndex against a dict, under inserts, removals, moves and rebuilds."""
 
 from __future__ import annotations
 
@@ -7,20 +7,29 @@ import random
 import pytest
 import torch
 
-from hiermem.index import SlotIndex
+from hiermem.index import DIRECT_INDEX_BYTES, DirectIndex, SlotIndex, make_index
 
 
+SIZES = [500, 700, 600]
+
+
+@pytest.mark.parametrize("kind", ["hash", "direct"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_dict(seed):
+def test_matches_dict(seed, kind):
     rng = random.Random(seed)
     cap = 300
-    ix = SlotIndex(cap)
+    if kind == "hash":
+        ix = SlotIndex(cap)
+        big = lambda t: rng.randrange(2**62)  # noqa: E731
+    else:
+        ix = DirectIndex(cap, torch.tensor([0, 500, 1200]), sum(SIZES))
+        big = lambda t: SIZES[t] - 1 - rng.randrange(3)  # noqa: E731  (the last rows of a table)
     ref: dict[tuple[int, int], int] = {}
     free = list(range(cap))
     for step in range(400):
         op = rng.random()
         if op < 0.5 and len(free) > 20:  # insert new keys
-            keys = {(rng.randrange(3), rng.choice([rng.randrange(500), rng.randrange(2**62)])) for _ in range(20)}
+            keys = {(t, rng.choice([rng.randrange(500), big(t)])) for t in (rng.randrange(3) for _ in range(20))}
             keys = [k for k in keys if k not in ref]
             slots = [free.pop() for _ in keys]
             if keys:
@@ -40,10 +49,12 @@ def test_matches_dict(seed):
                 ref[k] = d
             free.extend(src)
         # every known key resolves, plus some absent ones
-        qk = list(ref) + [(rng.randrange(3), rng.randrange(2**62)) for _ in range(20)]
+        qk = list(ref) + [(t, rng.choice([rng.randrange(500), big(t)])) for t in (rng.randrange(3) for _ in range(20))]
         got = ix.find(torch.tensor([k[0] for k in qk]), torch.tensor([k[1] for k in qk])).tolist()
         assert got == [ref.get(k, -1) for k in qk]
         assert ix.size == len(ref)
+        t, k, v = ix.items()
+        assert dict(zip(zip(t.tolist(), k.tolist()), v.tolist())) == ref
 
 
 def test_same_id_different_tables_are_distinct():
@@ -56,3 +67,15 @@ def test_memory_grows_with_capacity_not_ids():
     ix = SlotIndex(1000)
     ix.insert(torch.zeros(3, dtype=torch.int64), torch.tensor([0, 2**40, 2**62]), torch.tensor([0, 1, 2]))
     assert ix.nbytes() <= 24 * 2048 + 8 * 1000
+
+
+def test_direct_index_chosen_only_when_small():
+    assert isinstance(make_index(1000, [10**6, 5]), DirectIndex)
+    assert isinstance(make_index(1000, [10**6, None]), SlotIndex)  # an unbounded table: hashed
+    assert isinstance(make_index(1000, [DIRECT_INDEX_BYTES]), SlotIndex)  # 4 bytes a row is too much
+    # as large as the hash map it replaces is fine, whatever the budget
+    assert isinstance(make_index(10**7, [DIRECT_INDEX_BYTES]), DirectIndex)
+    d = make_index(8, [3, 4])
+    d.insert(torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([7, 0]))
+    assert d.find(torch.tensor([0, 1, 1]), torch.tensor([2, 3, 0])).tolist() == [7, 0, -1]
+    assert d.find(torch.tensor([0, 1, 1]), torch.tensor([2, 3, 0])).dtype == torch.int64

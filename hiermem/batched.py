@@ -193,6 +193,30 @@ class BatchedOps:
         self._host.policy.on_lookahead((g[g >= D] - D).to(self._host.device))
 
     # -- prefetch and pins -------------------------------------------------------------
+    def read_ahead(self, tables: torch.Tensor, ids: torch.Tensor) -> int:
+        """Read from LMDB the records of an upcoming batch's rows that are not resident,
+        holding the store's lock only to find them (the read itself runs unlocked, so
+        another thread's lookups and updates go on meanwhile).
+
+        The records wait in the disk tier's cache, which serves the placement of that
+        batch (its :meth:`prefetch`, or its lookup) instead of LMDB; a record written
+        in the meantime is dropped, so the cache never serves a stale value.  Returns
+        the records kept.  Changes nothing observable but speed.
+        """
+        with self._lock:
+            self._check_open()
+            t, k = self._multi_ids(tables, ids)
+            if k.numel() == 0:
+                return 0
+            b = self._batch_multi(t, k)
+            miss = self._keys.find(b.t, b.k) < 0
+            if not bool(miss.any()):
+                return 0
+            mt, mk = b.t[miss].cpu(), b.k[miss].cpu()
+            groups = [(ti, mk[mt == ti].numpy(), self.widths[ti]) for ti in torch.unique(mt).tolist()]
+            token = self._disk.begin_read_ahead()
+        return self._disk.read_ahead(groups, token)
+
     def _pin(self, p, delta: int) -> None:
         for tier, slots, _ in self._parts(p):
             tier.pins[slots] += delta
@@ -276,7 +300,7 @@ class BatchedOps:
 
     def _place_batch(self, b, ticket: Ticket | None):
         """Placement for a lookup: accounted, or, for a pinned ticket, its resident rows
-        (moved up to the device when they are not there, without accounting)."""
+        (where they are pinned, device or host: nothing moves, nothing is accounted)."""
         if ticket is None or not ticket.pinned:
             account = ticket is None or not ticket.accounted
             try:  # a prefetched batch was recorded when it was prefetched
@@ -285,14 +309,14 @@ class BatchedOps:
                 if not self.revoke_prefetches():
                     raise
                 return self._place(b, account=account, record=ticket is None)
-        g = self._keys.find(b.t, b.k)
-        in_dev = (g >= 0) & (g < self._dev.capacity)
-        self.counters.add_io(IO.PREFETCH_HITS, int(b.counts[in_dev].sum()))
-        if bool(in_dev.all()):
-            from .store import Placement
-
-            return Placement(None, g)
-        return self._place(b, account=False)
+        # pinned rows are resident: those the prefetch had to land in the host tier are
+        # served from there (as rows that miss a full device tier are), since moving them
+        # up would only evict device rows the next batches need, and move them back
+        p = self._locate(b)
+        assert p is not None, "a pinned row is not resident"
+        n_dev = b.counts if p.on_device is None else b.counts[p.on_device]
+        self.counters.add_io(IO.PREFETCH_HITS, int(n_dev.sum()))
+        return p
 
     # -- pooled single-table ops (nn.EmbeddingBag semantics) -------------------------------
     def _offsets(self, n: int, offsets) -> torch.Tensor:
@@ -436,6 +460,8 @@ class BatchedOps:
             if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights):
                 b, bag, scale, nbags = m.b, m.bag, m.scale, m.nbags
                 p = m.p if m.placement_valid(self._epoch, ticket) else None
+                if p is None and ticket is not None and ticket.pinned and not ticket.released:
+                    p = self._locate(b)  # its rows are pinned where they are
                 t = k = None
             else:
                 t, k = self._multi_ids(tables, ids)

@@ -114,10 +114,11 @@ def snapshot(store) -> _Snap | None:
                                    int(np.count_nonzero(dirty)), int(np.count_nonzero(pins))))
         disk = store._disk
         info, psize = disk.env.info(), disk.env.stat()["psize"]
+        lmdb_read, lmdb_write = disk.durations()
         return _Snap([s.name for s in store.tables], store.policy.name, c.table.clone(), c.io.clone(), tiers,
                      disk.count(), (info["last_pgno"] + 1) * psize, disk.map_size,
                      {"lookup": c.lookup_seconds.copy(), "update": c.update_seconds.copy(),
-                      "lmdb_read": disk.read_seconds.copy(), "lmdb_write": disk.write_seconds.copy()})
+                      "lmdb_read": lmdb_read, "lmdb_write": lmdb_write})
 
 
 # (IO counter, metric name, help); the bytes counters are one family per tier pair

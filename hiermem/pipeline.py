@@ -11,8 +11,12 @@ prefetch can never evict them; when pinned rows fill the device tier a prefetch 
 rows in the host tier (still pinned) or, if even that fails, pins nothing and the batch
 is looked up normally: a smaller effective depth, counted, never an error or a deadlock.
 
+Before each ``P(j)`` the thread reads batch ``j``'s non-resident rows from LMDB outside
+the store's lock (:meth:`~hiermem.HierarchicalStore.read_ahead`), overlapping the
+training thread's update; ``P(j)`` then places them from the disk tier's cache.
+
 Thread-safety: the loader is iterated on the caller's thread; only store calls run on
-the background thread, under the store's lock.
+the background thread, under the store's lock (but for that read-ahead's LMDB read).
 """
 
 from __future__ import annotations
@@ -234,6 +238,9 @@ class PrefetchPipeline:
 
         def job():
             try:
+                # the LMDB reads first, unlocked (overlapping the training thread's
+                # update), then the placement under the lock from those records
+                self.store.read_ahead(h.tables, h.ids)
                 self._set_lookahead(h)
                 h.result = self.store.prefetch(h.tables, h.ids)
             finally:

@@ -763,6 +763,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 "device_dirty": int(self._dev.dirty.sum()), "host_dirty": int(self._host.dirty.sum()),
                 "disk_rows": self._disk.count() if not self._closed else None,
                 "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
+                "disk_read_ahead_rows": self._disk.ahead_rows, "disk_read_ahead_hits": self._disk.ahead_hits,
             }
             return out
 

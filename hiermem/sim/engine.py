@@ -15,7 +15,7 @@ Prefetch depth ``k`` follows ``HierarchicalStore.prefetch`` and the pipeline's o
 batch only if its rows fit twice beside the rows already pinned, then places it with
 full accounting and pins its rows where they land (refused or a ``CapacityError``: pins
 nothing, *degraded*, and ``L(j)`` is then a plain accounted lookup); ``L(i)`` of a pinned
-batch moves its rows up without accounting; a lookup that cannot fit beside the pins
+batch uses its rows where they are pinned (device or host), moving nothing; a lookup that cannot fit beside the pins
 revokes them all; ``U(i)`` re-places the rows (unaccounted) only if rows changed tier
 since ``L(i)`` and the batch is not pinned; ``R(i)`` unpins.  The same counters come out
 (``PREFETCH_*`` included): ``tests/test_sim_exact.py`` replays traces a store captured
@@ -537,11 +537,9 @@ class Simulator:
             tk = live[i]
             k, counts, _, nids = tk.batch
             if nids:
-                if tk.pinned:  # L: its rows are resident; move them up if needed, unaccounted
+                if tk.pinned:  # L: its rows are resident, used where they are pinned
                     slot, on_dev = self._where(k)
                     self._tally.io[IO.PREFETCH_HITS] += int(counts[on_dev].sum())
-                    if not bool(on_dev.all()):
-                        self._moved(k, counts)
                 elif tk.accounted:  # revoked: placed again without accounting
                     self._retry(lambda: self._moved(k, counts), live)
                 else:  # refused: a plain lookup

@@ -4,7 +4,12 @@ Keys are 12 bytes, big-endian ``(table index u32, id u64)``, so LMDB's byte orde
 numeric order.  A value is the row's record (weights then optimizer state) as
 little-endian float32.  A sub-database ``meta`` holds the store's layout as JSON.
 
-Reads are one ``getmulti`` per batch, writes one transaction per batch (``putmulti``).
+Reads are one ``getmulti`` per batch, writes one transaction per batch (``putmulti``,
+keys in order).  :meth:`DiskTier.read_ahead` reads the records of an upcoming batch on
+another thread, outside the store's lock; :meth:`DiskTier.read` then takes them from
+that cache.  A cached record is exactly LMDB's current value: every write drops the
+cached copies of the keys it writes, and a read-ahead drops the keys written while it
+read (a log kept only while one is in flight).
 When LMDB's map fills, the map doubles and the transaction is retried; a real disk-full
 error aborts the transaction (nothing is written) and raises :class:`DiskFullError`.
 """
@@ -15,7 +20,9 @@ import errno
 import json
 import os
 import struct
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -97,6 +104,21 @@ def _check_lmdb_file(path: Path, data: Path) -> None:
                                      f"need {(last_pg + 1) * psize})")
 
 
+@dataclass
+class _Ahead:
+    """Read-ahead records of one table's keys: ``ids`` sorted, ``live`` until used or
+    overwritten; ``found`` False where LMDB had no record (the row was never written)."""
+
+    table: int
+    ids: np.ndarray
+    found: np.ndarray
+    rec: np.ndarray
+    live: np.ndarray
+
+
+AHEAD_BATCHES = 4  # read-ahead batches kept (older ones are dropped unused)
+
+
 class DiskTier:
     """An LMDB environment at ``path`` (a directory).
 
@@ -153,6 +175,15 @@ class DiskTier:
         self.bytes_written = 0
         self.read_seconds = Histogram()  # each batched read (one getmulti)
         self.write_seconds = Histogram()  # each write transaction, and its sync when asked
+        # read-ahead cache (see the module docstring); guarded by _ahead_cv
+        self._ahead_cv = threading.Condition()
+        self._ahead: list[list[_Ahead]] = []  # per read-ahead batch, its tables' chunks
+        self._ahead_open: int | None = None  # write sequence when the read-ahead in flight began
+        self._ahead_active = 0
+        self._wseq = 0
+        self._wlog: list[tuple[int, np.ndarray]] = []  # (table, ids) written while a read-ahead is open
+        self.ahead_rows = 0  # records read ahead and kept
+        self.ahead_hits = 0  # reads served from them
 
     # -- metadata ---------------------------------------------------------------
     def read_meta(self) -> dict | None:
@@ -198,13 +229,28 @@ class DiskTier:
             uniq, inverse = np.unique(keys, return_inverse=True)
             f, r = self.read(table, uniq.view(KEY_DTYPE)["k"], width)
             return f[inverse], r[inverse]
+        if self._ahead:
+            got = self._from_ahead(table, ids, found, out)
+            if got.all():
+                return found, out
+            if got.any():  # read the rest
+                rest = ~got
+                f, r = self.read(table, ids[rest], width)
+                found[rest], out[rest] = f, r
+                return found, out
         t0 = time.perf_counter()
         try:
             with self.env.begin(db=self.rows_db, buffers=False) as txn:
                 res = txn.cursor().getmulti(key_list(skeys))
         except lmdb.Error as e:
             raise StoreFormatError(self.path, f"LMDB read failed: {e}") from e
-        self.read_seconds.observe(time.perf_counter() - t0)
+        with self._ahead_cv:  # a read-ahead (another thread) observes it too
+            self.read_seconds.observe(time.perf_counter() - t0)
+        self._parse(res, table, width, skeys, order, found, out)
+        return found, out
+
+    def _parse(self, res, table, width, skeys, order, found, out) -> None:
+        """Fill ``found``/``out`` at ``order`` positions from getmulti's ``res`` for ``skeys``."""
         if res:
             fk = np.frombuffer(b"".join([kv[0] for kv in res]), dtype="S12")
             raw = b"".join([kv[1] for kv in res])
@@ -214,7 +260,103 @@ class DiskTier:
             found[pos] = True
             out[pos] = np.frombuffer(raw, dtype="<f4").reshape(len(res), width)
             self.bytes_read += len(raw)
-        return found, out
+
+    # -- read-ahead -----------------------------------------------------------------
+    def _from_ahead(self, table: int, ids: np.ndarray, found: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill what the read-ahead cache holds of ``ids`` (distinct); which it held."""
+        got = np.zeros(len(ids), dtype=bool)
+        ids = ids.astype(np.uint64, copy=False)
+        with self._ahead_cv:
+            for batch in reversed(self._ahead):
+                for c in batch:
+                    if c.table != table or not len(c.ids):
+                        continue
+                    j = np.minimum(np.searchsorted(c.ids, ids), len(c.ids) - 1)
+                    hit = ~got & (c.ids[j] == ids) & c.live[j]
+                    if hit.any():
+                        jh = j[hit]
+                        found[hit] = c.found[jh]
+                        out[hit] = c.rec[jh]
+                        c.live[jh] = False  # the row is resident now: its next read is after a write
+                        got |= hit
+        self.ahead_hits += int(got.sum())
+        return got
+
+    def durations(self) -> tuple[Histogram, Histogram]:
+        """Copies of the read and write duration histograms."""
+        with self._ahead_cv:
+            return self.read_seconds.copy(), self.write_seconds.copy()
+
+    def begin_read_ahead(self) -> int:
+        """Open a read-ahead (the caller holds the store's lock, so no write is between
+        its residency check and this); returns the token for :meth:`read_ahead`."""
+        with self._ahead_cv:
+            self._ahead_active += 1
+            self._ahead_open = self._wseq
+            self._wlog = []
+            return self._wseq
+
+    def read_ahead(self, groups: list[tuple[int, np.ndarray, int]], token: int) -> int:
+        """Read ``(table, distinct ids, width)`` groups into the cache, without the store's
+        lock; returns the records kept.  Best effort: an LMDB error keeps nothing (the
+        real read reports it)."""
+        try:
+            chunks = []
+            try:
+                with self.env.begin(db=self.rows_db, buffers=False) as txn:
+                    cur = txn.cursor()
+                    for table, ids, width in groups:
+                        ids = np.sort(np.asarray(ids).astype(np.uint64))
+                        found = np.zeros(len(ids), dtype=bool)
+                        rec = np.zeros((len(ids), width), dtype=np.float32)
+                        keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
+                        t0 = time.perf_counter()
+                        res = cur.getmulti(key_list(keys))
+                        with self._ahead_cv:
+                            self.read_seconds.observe(time.perf_counter() - t0)
+                        self._parse(res, table, width, keys, np.arange(len(ids)), found, rec)
+                        chunks.append(_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool)))
+            except (lmdb.Error, StoreFormatError):
+                chunks = []
+            with self._ahead_cv:
+                if self._ahead_open != token:  # cleared, or another read-ahead opened since
+                    return 0
+                for table, written in self._wlog:  # written while this one read: stale
+                    for c in chunks:
+                        if c.table == table:
+                            c.live &= ~np.isin(c.ids, written)
+                self._ahead_open = None
+                self._wlog = []
+                if chunks:
+                    self._ahead.append(chunks)
+                    del self._ahead[:-AHEAD_BATCHES]
+                kept = sum(int(c.live.sum()) for c in chunks)
+                self.ahead_rows += kept
+                return kept
+        finally:
+            with self._ahead_cv:
+                self._ahead_active -= 1
+                self._ahead_cv.notify_all()
+
+    def _written(self, groups: list[tuple[int, np.ndarray]]) -> None:
+        """Keys just committed: their cached copies are stale."""
+        with self._ahead_cv:
+            self._wseq += 1
+            for table, ids in groups:
+                ids = np.asarray(ids).astype(np.uint64)
+                for batch in self._ahead:
+                    for c in batch:
+                        if c.table == table:
+                            c.live &= ~np.isin(c.ids, ids)
+                if self._ahead_open is not None:
+                    self._wlog.append((table, ids))
+
+    def _drop_ahead(self) -> None:
+        with self._ahead_cv:
+            self._ahead = []
+            self._ahead_open = None
+            self._wlog = []
+            self._wseq += 1
 
     def write(self, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], meta: dict | None = None,
               sync: bool = False) -> int:
@@ -226,14 +368,17 @@ class DiskTier:
             DiskFullError: the disk is full; the transaction was aborted.
         """
         items = []
+        written = []
         nbytes = 0
         for table, ids, rec in groups:
             if len(ids) == 0:
                 continue
             rec = np.ascontiguousarray(rec, dtype="<f4")
             keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
-            vals = rec.view(f"V{rec.shape[1] * 4}").reshape(len(ids))
-            items.append((key_list(keys), vals.tolist()))
+            order = np.argsort(keys, kind="stable")  # in key order the B-tree's pages stay hot
+            vals = rec.view(f"V{rec.shape[1] * 4}").reshape(len(ids))[order]
+            items.append((key_list(keys[order]), vals.tolist()))
+            written.append((table, ids))
             nbytes += rec.nbytes
         meta_raw = None if meta is None else self._meta_bytes(meta)
 
@@ -246,6 +391,8 @@ class DiskTier:
 
         t0 = time.perf_counter()
         self._write_txn(txn_body, nbytes)
+        if written:
+            self._written(written)
         if sync:
             self.sync()
         self.write_seconds.observe(time.perf_counter() - t0)
@@ -276,6 +423,7 @@ class DiskTier:
                 txn.put(META_KEY, meta_raw, db=self.meta_db)
 
         self._write_txn(body)
+        self._drop_ahead()
         self.sync()
 
     def sync(self) -> None:
@@ -291,4 +439,8 @@ class DiskTier:
             return txn.stat(self.rows_db)["entries"]
 
     def close(self) -> None:
+        with self._ahead_cv:  # a read-ahead still reading (another thread) finishes first
+            self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
+            self._ahead = []
+            self._ahead_open = None
         self.env.close()

@@ -163,7 +163,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.path = Path(config.path).absolute()
         self._claim_path()
         try:
-            self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks)
+            self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
+                                  write_behind=config.write_behind)
             try:
                 self._steps = self._check_layout(self._disk.read_meta())
             except BaseException:
@@ -197,13 +198,13 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
         ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
         of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``,
-        ``sync_writebacks``, ``trace_path``).
+        ``sync_writebacks``, ``write_behind``, ``trace_path``).
 
         Raises:
             StoreFormatError: ``path`` is not a hiermem store, or is corrupt.
         """
         bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks",
-                                "trace_path"}
+                                "write_behind", "trace_path"}
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
         with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
@@ -370,7 +371,10 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         for ti in torch.unique(rows.t).tolist():
             m = (rows.t == ti).nonzero().squeeze(1)
             groups.append((ti, rows.k[m].numpy(), rows.rec[m, :self.widths[ti]].numpy()))
-        nbytes = self._disk.write(groups, meta=self._meta() if meta else None, sync=sync)
+        if sync:
+            nbytes = self._disk.write(groups, meta=self._meta() if meta else None, sync=True)
+        else:  # an eviction write-back: queued for the writer thread with write_behind
+            nbytes = self._disk.enqueue(groups, meta=self._meta() if meta else None)
         self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)
         return nbytes
 
@@ -764,6 +768,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 "disk_rows": self._disk.count() if not self._closed else None,
                 "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
                 "disk_read_ahead_rows": self._disk.ahead_rows, "disk_read_ahead_hits": self._disk.ahead_hits,
+                "disk_write_queue_rows": self._disk.queued,
             }
             return out
 

@@ -109,6 +109,11 @@ class StoreConfig:
             ``flush()``.  Off by default: a process crash (even SIGKILL) loses nothing
             committed either way, since the OS holds the pages; on with power-loss or
             OS-crash exposure between flushes, at one fsync per evicting batch.
+        write_behind: commit eviction write-backs to LMDB on a writer thread (at most
+            two batches behind; reads see queued rows), off the training step's path.
+            Off by default: a write that fails in the background (a full disk) is then
+            retried and raised, typed, by the next call that writes or flushes, not by
+            the lookup that evicted; nothing is lost (the rows stay queued).
         trace_path: if set, record every lookup batch to this trace directory
             (:meth:`HierarchicalStore.record`), for offline policy tuning.
     """
@@ -122,6 +127,7 @@ class StoreConfig:
     seed: int = 0
     map_size: int = 1 << 28
     sync_writebacks: bool = False
+    write_behind: bool = False
     trace_path: Optional[Union[str, os.PathLike]] = None
 
     def __post_init__(self) -> None:
@@ -135,8 +141,9 @@ class StoreConfig:
             raise InvalidArgumentError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.map_size, int) or self.map_size < 1 << 20:
             raise InvalidArgumentError("map_size must be an int >= 1 MiB")
-        if not isinstance(self.sync_writebacks, bool):
-            raise InvalidTypeError("sync_writebacks must be a bool")
+        for name in ("sync_writebacks", "write_behind"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidTypeError(f"{name} must be a bool")
         if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):
             raise InvalidTypeError("trace_path must be a path or None")
         if not isinstance(self.policy, (str, os.PathLike)):

@@ -9,6 +9,9 @@ Configurations (all on the same pre-generated Zipf batches, measured in this run
                 (posix_fadvise DONTNEED), prefetch depth 2
   host_pf       device 1% + a host tier that holds every row (loaded before timing),
                 prefetch depth 2
+  disk_wb, disk_pf_wb
+                disk and disk_pf with StoreConfig(write_behind=True): eviction write-backs
+                committed to LMDB by a writer thread
 
 Every hiermem store starts from the same LMDB holding every row (a checkpoint restored
 per configuration).  Prints samples/s per configuration; the last line is one JSON
@@ -128,13 +131,17 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp / "template-live")
         print(f"  LMDB template of {total} rows written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         dev1, host10 = max(1, total // 100), max(1, total // 10)
-        # (device rows, host rows, prefetch depth, drop LMDB pages first, preload every row)
-        configs = {"device": (total + 1024, 1024, 0, False, True), "disk": (dev1, host10, 0, False, False),
-                   "disk_pf": (dev1, host10, 2, False, False), "disk_pf_cold": (dev1, host10, 2, True, False),
-                   "host_pf": (dev1, total + 1024, 2, False, True)}
-        for name, (d, h, depth, cold, preload) in configs.items():
+        # (device rows, host rows, prefetch depth, drop LMDB pages first, preload every row, write-behind)
+        configs = {"device": (total + 1024, 1024, 0, False, True, False),
+                   "disk": (dev1, host10, 0, False, False, False),
+                   "disk_pf": (dev1, host10, 2, False, False, False),
+                   "disk_pf_cold": (dev1, host10, 2, True, False, False),
+                   "host_pf": (dev1, total + 1024, 2, False, True, False),
+                   "disk_wb": (dev1, host10, 0, False, False, True),
+                   "disk_pf_wb": (dev1, host10, 2, False, False, True)}
+        for name, (d, h, depth, cold, preload, wb) in configs.items():
             path = tmp / name
-            store = hm.HierarchicalStore.restore(ck, path, device_rows=d, host_rows=h)
+            store = hm.HierarchicalStore.restore(ck, path, device_rows=d, host_rows=h, write_behind=wb)
             if preload:  # every row resident before timing (device-resident / host-backed)
                 for t in tables:
                     for i in range(0, rows, 1 << 16):
@@ -165,6 +172,9 @@ def main(argv=None) -> int:
            "prefetch_cold_disk_over_baseline": round(res["disk_pf_cold"] / b, 3),
            "prefetch_disk_over_host": round(res["disk_pf"] / res["host_pf"], 3),
            "prefetch_over_no_prefetch": round(res["disk_pf"] / res["disk"], 3),
+           "write_behind_disk_over_baseline": round(res["disk_wb"] / b, 3),
+           "write_behind_prefetch_disk_over_baseline": round(res["disk_pf_wb"] / b, 3),
+           "write_behind_over_sync": round(res["disk_wb"] / res["disk"], 3),
            "hit_rates": {k: res[k + "_hit_rates"] for k in configs},
            "distinct_rows_per_batch": round(float(distinct), 1), "rows": total, "quick": a.quick}
     print(json.dumps(out))

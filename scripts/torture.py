@@ -96,6 +96,7 @@ OPTIMIZERS = {  # Adagrad by default: per-element state, so weights and state co
     "sgd": hm.SGD(lr=0.1),
 }
 _OPTIMIZER = ["adagrad"]  # set by --optimizer, in the harness and (passed on) in the child
+_WRITE_BEHIND = [False]  # set by --write-behind, likewise
 
 
 def optimizer() -> hm.Optimizer:
@@ -235,6 +236,35 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
 
     if mode in INJECTED:
         disk.write = write
+    if disk.write_behind and mode in ("writeback-txn", "prefetch-writeback"):
+        # write-backs are queued; the k-th one dies inside its commit on the writer thread
+        real_enqueue, real_prepare, real_body = disk.enqueue, disk._prepare, disk._txn_body
+        doomed = []
+
+        def enqueue(groups, meta=None):
+            kind = "prefetch" if in_prefetch[0] else "writeback"
+            seen[kind] += 1
+            if seen[kind] == nth and kind == wanted:
+                def prepare(g, m):
+                    q = real_prepare(g, m)
+                    doomed.append(q)
+                    return q
+                disk._prepare = prepare
+            try:
+                return real_enqueue(groups, meta=meta)
+            finally:
+                disk._prepare = real_prepare
+
+        def txn_body(q):
+            body = real_body(q)
+            if not any(q is d for d in doomed):
+                return body
+
+            def dying_body(t):
+                body(t)
+                _die()  # the rows are in the transaction, which never commits
+            return dying_body
+        disk.enqueue, disk._txn_body = enqueue, txn_body
     if mode == "after-flush":
         hooks["after_flush"] = lambda: _die() if seen["flush"] == nth else None
     if mode.startswith("checkpoint-"):
@@ -346,7 +376,7 @@ def child(args: argparse.Namespace) -> int:
     """Train on the store until killed: the ``--child`` entry point."""
     torch.set_num_threads(1)
     ref = Reference.load(Path(args.baseline))
-    store = hm.HierarchicalStore.open(args.store, policy=args.policy)
+    store = hm.HierarchicalStore.open(args.store, policy=args.policy, write_behind=args.write_behind)
     if store._steps != ref.steps:
         print(f"MISMATCH steps {store._steps} != {ref.steps}", flush=True)
         return 3
@@ -569,7 +599,7 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--optimizer", _OPTIMIZER[0],
            "--store", str(work / "store"), "--ckdir", str(work / "ck"), "--round", str(i),
            "--log", str(log_path), "--baseline", str(base_path), "--seed", str(rng.randrange(2**31)),
-           "--mode", mode, "--nth", str(nth), "--policy", policy]
+           "--mode", mode, "--nth", str(nth), "--policy", policy] + (["--write-behind"] if _WRITE_BEHIND[0] else [])
     with open(work / "child.stderr", "w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
         out = _Output(proc)
@@ -640,10 +670,11 @@ def verify_checkpoints(work: Path, i: int, c: Check) -> None:
 
 
 def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODES,
-            verbose: bool = True, opt: str = "adagrad") -> list[Round]:
+            verbose: bool = True, opt: str = "adagrad", write_behind: bool = False) -> list[Round]:
     """Run ``kills`` rounds on a fresh store under ``work`` (optimizer ``opt``, a key of
-    :data:`OPTIMIZERS`); returns each round's result."""
+    :data:`OPTIMIZERS`; ``write_behind`` for the child's store); returns each round's result."""
     _OPTIMIZER[0] = opt
+    _WRITE_BEHIND[0] = write_behind
     rng = random.Random(seed)
     make_store(work / "store").close()
     base = Reference.initial()
@@ -685,19 +716,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
+    p.add_argument("--write-behind", action="store_true",
+                   help="the child's store commits eviction write-backs on its writer thread")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for a in ("--store", "--log", "--baseline", "--mode", "--policy", "--ckdir", "--round"):
         p.add_argument(a, help=argparse.SUPPRESS)
     p.add_argument("--nth", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--max-steps", type=int, default=20_000, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    _WRITE_BEHIND[0] = a.write_behind
     if a.child:
         _OPTIMIZER[0] = a.optimizer
         return child(a)
     work = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="hm-torture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        rounds = torture(a.kills, work, a.seed, opt=a.optimizer)
+        rounds = torture(a.kills, work, a.seed, opt=a.optimizer, write_behind=a.write_behind)
     finally:
         if not a.keep and a.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -10,6 +10,13 @@ another thread, outside the store's lock; :meth:`DiskTier.read` then takes them 
 that cache.  A cached record is exactly LMDB's current value: every write drops the
 cached copies of the keys it writes, and a read-ahead drops the keys written while it
 read (a log kept only while one is in flight).
+
+With ``write_behind``, eviction write-backs (:meth:`DiskTier.enqueue`) are committed by
+a writer thread, in order, at most ``WRITE_BEHIND_BATCHES`` behind; until committed a
+row's record is in that queue, and :meth:`DiskTier.read` takes it from there.  Every
+other write, and :meth:`DiskTier.drain` (flush, checkpoint, close), waits for the queue
+first.  A failed background commit keeps its batch queued; the next call that writes or
+drains retries it on the caller's thread and raises the typed error there.
 When LMDB's map fills, the map doubles and the transaction is retried; a real disk-full
 error aborts the transaction (nothing is written) and raises :class:`DiskFullError`.
 """
@@ -22,6 +29,7 @@ import os
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -117,6 +125,17 @@ class _Ahead:
 
 
 AHEAD_BATCHES = 4  # read-ahead batches kept (older ones are dropped unused)
+WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
+
+
+@dataclass
+class _Queued:
+    """One queued write-back: per table, ids sorted with their records, and its txn items."""
+
+    groups: list[tuple[int, np.ndarray, np.ndarray]]
+    items: list
+    meta_raw: bytes | None
+    nbytes: int
 
 
 class DiskTier:
@@ -128,9 +147,11 @@ class DiskTier:
         map_size: initial map size in bytes; doubled whenever it fills.
         sync: fsync on every commit; when False only :meth:`sync` (called by flush)
             forces data to disk.
+        write_behind: commit :meth:`enqueue`'d write-backs on a writer thread.
     """
 
-    def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True):
+    def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True,
+                 write_behind: bool = False):
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
@@ -184,6 +205,13 @@ class DiskTier:
         self._wlog: list[tuple[int, np.ndarray]] = []  # (table, ids) written while a read-ahead is open
         self.ahead_rows = 0  # records read ahead and kept
         self.ahead_hits = 0  # reads served from them
+        # write-behind queue (see the module docstring); guarded by _wq_cv
+        self.write_behind = bool(write_behind)
+        self._wq: deque[_Queued] = deque()
+        self._wq_cv = threading.Condition()
+        self._wq_failed = False  # the writer stopped on an error: callers retry
+        self._wq_stop = False
+        self._writer: threading.Thread | None = None
 
     # -- metadata ---------------------------------------------------------------
     def read_meta(self) -> dict | None:
@@ -216,7 +244,25 @@ class DiskTier:
         """Records of ``ids`` of one table: ``(found bool[n], records float32[n, width])``.
 
         Rows not found are left zero in ``records``; duplicate ids get the same record.
+        Queued write-backs win over LMDB (the newest queued record of a row is its value).
         """
+        with self._wq_cv:  # before reading LMDB: a batch committed meanwhile is still here
+            queued = list(self._wq)
+        found, out = self._read(table, ids, width)
+        for q in queued:  # oldest first: the newest wins
+            for t, qids, qrec in q.groups:
+                if t != table or not len(qids):
+                    continue
+                u = np.asarray(ids).astype(np.uint64)
+                j = np.minimum(np.searchsorted(qids, u), len(qids) - 1)
+                hit = qids[j] == u
+                if hit.any():
+                    found[hit] = True
+                    out[hit] = qrec[j[hit], :width]
+        return found, out
+
+    def _read(self, table: int, ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`read` from the read-ahead cache and LMDB (the queue aside)."""
         n = len(ids)
         found = np.zeros(n, dtype=bool)
         out = np.zeros((n, width), dtype=np.float32)
@@ -227,7 +273,7 @@ class DiskTier:
         skeys = keys[order]
         if n > 1 and bool((skeys[1:] == skeys[:-1]).any()):  # each distinct key once, then expand
             uniq, inverse = np.unique(keys, return_inverse=True)
-            f, r = self.read(table, uniq.view(KEY_DTYPE)["k"], width)
+            f, r = self._read(table, uniq.view(KEY_DTYPE)["k"], width)
             return f[inverse], r[inverse]
         if self._ahead:
             got = self._from_ahead(table, ids, found, out)
@@ -235,7 +281,7 @@ class DiskTier:
                 return found, out
             if got.any():  # read the rest
                 rest = ~got
-                f, r = self.read(table, ids[rest], width)
+                f, r = self._read(table, ids[rest], width)
                 found[rest], out[rest] = f, r
                 return found, out
         t0 = time.perf_counter()
@@ -367,9 +413,22 @@ class DiskTier:
         Raises:
             DiskFullError: the disk is full; the transaction was aborted.
         """
-        items = []
-        written = []
-        nbytes = 0
+        self.drain()  # queued write-backs first: a later write of a row must win
+        q = self._prepare(groups, meta)
+
+        t0 = time.perf_counter()
+        self._write_txn(self._txn_body(q), q.nbytes)
+        if q.groups:
+            self._written([(t, ids) for t, ids, _ in q.groups])
+        if sync:
+            self.sync()
+        with self._ahead_cv:
+            self.write_seconds.observe(time.perf_counter() - t0)
+        self.bytes_written += q.nbytes
+        return q.nbytes
+
+    def _prepare(self, groups, meta: dict | None) -> _Queued:
+        out, items, nbytes = [], [], 0
         for table, ids, rec in groups:
             if len(ids) == 0:
                 continue
@@ -378,26 +437,109 @@ class DiskTier:
             order = np.argsort(keys, kind="stable")  # in key order the B-tree's pages stay hot
             vals = rec.view(f"V{rec.shape[1] * 4}").reshape(len(ids))[order]
             items.append((key_list(keys[order]), vals.tolist()))
-            written.append((table, ids))
+            out.append((table, np.asarray(ids).astype(np.uint64)[order], rec[order]))
             nbytes += rec.nbytes
-        meta_raw = None if meta is None else self._meta_bytes(meta)
+        return _Queued(out, items, None if meta is None else self._meta_bytes(meta), nbytes)
 
-        def txn_body(txn: lmdb.Transaction) -> None:
+    def _txn_body(self, q: _Queued) -> Callable[[lmdb.Transaction], None]:
+        def body(txn: lmdb.Transaction) -> None:
             cur = txn.cursor(db=self.rows_db)
-            for ks, vs in items:
+            for ks, vs in q.items:
                 cur.putmulti(zip(ks, vs))
-            if meta_raw is not None:
-                txn.put(META_KEY, meta_raw, db=self.meta_db)
+            if q.meta_raw is not None:
+                txn.put(META_KEY, q.meta_raw, db=self.meta_db)
+        return body
 
-        t0 = time.perf_counter()
-        self._write_txn(txn_body, nbytes)
-        if written:
-            self._written(written)
-        if sync:
-            self.sync()
-        self.write_seconds.observe(time.perf_counter() - t0)
-        self.bytes_written += nbytes
-        return nbytes
+    # -- write-behind ----------------------------------------------------------------
+    def enqueue(self, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
+        """Queue a write-back for the writer thread (``write_behind``; else :meth:`write`).
+
+        Waits while ``WRITE_BEHIND_BATCHES`` are queued.  Returns the bytes of records.
+
+        Raises:
+            DiskFullError, HierMemError: an earlier queued write failed and failed again
+                when retried here; nothing of this call was queued.
+        """
+        if not self.write_behind:
+            return self.write(groups, meta=meta)
+        q = self._prepare(groups, meta)
+        while True:
+            self._recover()
+            with self._wq_cv:
+                self._wq_cv.wait_for(lambda: len(self._wq) < WRITE_BEHIND_BATCHES or self._wq_failed)
+                if self._wq_failed:
+                    continue
+                self._wq.append(q)
+                self._wq_cv.notify_all()
+                break
+        self._written([(t, ids) for t, ids, _ in q.groups])  # LMDB's copies are going stale
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="hiermem-lmdb-writer", daemon=True)
+            self._writer.start()
+        self.bytes_written += q.nbytes
+        return q.nbytes
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._wq_cv:
+                self._wq_cv.wait_for(lambda: self._wq_stop or (self._wq and not self._wq_failed))
+                if self._wq_stop:
+                    return
+                q = self._wq[0]
+            t0 = time.perf_counter()
+            try:  # no map growth here: that needs every reader out (the caller's retry does it)
+                with self.env.begin(write=True) as txn:
+                    self._txn_body(q)(txn)
+            except BaseException:
+                with self._wq_cv:
+                    self._wq_failed = True
+                    self._wq_cv.notify_all()
+                continue
+            self._committed(q, t0)
+
+    def _committed(self, q: _Queued, t0: float) -> None:
+        self._written([(t, ids) for t, ids, _ in q.groups])  # a read-ahead open meanwhile drops them
+        with self._ahead_cv:
+            self.write_seconds.observe(time.perf_counter() - t0)
+        with self._wq_cv:
+            self._wq.popleft()
+            self._wq_cv.notify_all()
+
+    def _recover(self) -> None:
+        """After a failed background commit: commit the queue here, in order (growing
+        the map if it was full), or raise the typed error with the queue kept."""
+        with self._wq_cv:
+            if not self._wq_failed:
+                return
+        while True:
+            with self._wq_cv:
+                if not self._wq:
+                    self._wq_failed = False
+                    self._wq_cv.notify_all()
+                    return
+                q = self._wq[0]
+            t0 = time.perf_counter()
+            self._write_txn(self._txn_body(q), q.nbytes)
+            self._committed(q, t0)
+
+    def drain(self) -> None:
+        """Wait until every queued write-back is committed (retrying a failed one here).
+
+        Raises:
+            DiskFullError, HierMemError: a queued write failed again; it stays queued.
+        """
+        while True:
+            with self._wq_cv:
+                self._wq_cv.wait_for(lambda: not self._wq or self._wq_failed)
+                if not self._wq:
+                    return
+            self._recover()
+
+    @property
+    def queued(self) -> int:
+        """Rows in queued write-backs."""
+        with self._wq_cv:
+            return sum(len(ids) for q in self._wq for _, ids, _ in q.groups)
 
     def _write_txn(self, body: Callable[[lmdb.Transaction], None], nbytes: int = 0) -> None:
         while True:
@@ -407,7 +549,9 @@ class DiskTier:
                 return
             except lmdb.MapFullError:
                 self.map_size *= 2
-                self.env.set_mapsize(self.map_size)
+                with self._ahead_cv:  # no transaction may be open while the map is resized
+                    self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
+                    self.env.set_mapsize(self.map_size)
             except lmdb.Error as e:
                 if _disk_full(self.path, e, nbytes):
                     raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full; the write was not made ({e})") from e
@@ -415,6 +559,7 @@ class DiskTier:
 
     def clear_rows(self, meta: dict | None = None) -> None:
         """Delete every row (one transaction), keeping the environment and its metadata."""
+        self.drain()
         meta_raw = None if meta is None else self._meta_bytes(meta)
 
         def body(txn: lmdb.Transaction) -> None:
@@ -439,6 +584,13 @@ class DiskTier:
             return txn.stat(self.rows_db)["entries"]
 
     def close(self) -> None:
+        """Close the environment.  Queued write-backs not yet committed are dropped: the
+        store drains the queue (flush) before closing."""
+        with self._wq_cv:
+            self._wq_stop = True
+            self._wq_cv.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=60)
         with self._ahead_cv:  # a read-ahead still reading (another thread) finishes first
             self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
             self._ahead = []

@@ -1,0 +1,201 @@
+"""StoreConfig(write_behind=True): eviction write-backs committed by a writer thread.
+
+Queued rows are read from the queue (never a stale LMDB copy), training equals a store
+writing synchronously and a flat reference, a failed background commit is retried and
+raised typed by the next writing call with nothing lost, and map growth still works."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections import namedtuple
+
+import lmdb
+import pytest
+import torch
+
+import hiermem as hm
+import hiermem.tiers.disk as disk_mod
+from reference import FlatStore
+
+TABLES = [hm.TableSpec("b", 200, 4), hm.TableSpec("h", None, 3)]
+HASHED = torch.tensor([3, 2**33, 2**62 + 5, 2**63 - 1, 17, 123456, 99, 2**40], dtype=torch.int64)
+
+
+def make(path, wb=True, **kw):
+    cfg = hm.StoreConfig(path=path, device_rows=kw.pop("device_rows", 6), host_rows=kw.pop("host_rows", 12),
+                         optimizer=hm.Adagrad(lr=0.1), seed=3, write_behind=wb, **kw)
+    return hm.HierarchicalStore(TABLES, cfg)
+
+
+def batches(steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for i in range(steps):
+        name, pool = ("b", torch.arange(200)) if i % 3 else ("h", HASHED)
+        ids = pool[torch.randint(0, pool.numel(), (10,), generator=g)]
+        yield name, ids, torch.randn(10, TABLES[0 if name == "b" else 1].dim, generator=g)
+
+
+def train(stores, steps, seed=0):
+    for name, ids, noise in batches(steps, seed):
+        outs = []
+        for s in stores:
+            emb = s.lookup(name, ids)
+            s.update(name, ids, 0.5 * emb + noise)
+            outs.append(emb)
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+
+
+def snapshot(s):
+    return {"b": torch.cat([s.lookup("b", torch.arange(i, i + 10)) for i in range(0, 200, 10)]),
+            "h": s.lookup("h", HASHED)}
+
+
+def test_training_equals_synchronous_write_backs_and_the_reference(tmp_path):
+    wb, sync = make(tmp_path / "wb"), make(tmp_path / "sync", wb=False)
+    ref = FlatStore(TABLES, hm.Adagrad(lr=0.1), seed=3)
+    train([wb, sync, ref], 120)
+    assert wb.stats()["_store"]["bytes_host_to_disk"] > 0  # rows really went down (and came back)
+    a, b, r = snapshot(wb), snapshot(sync), snapshot(ref)
+    for k in a:
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], r[k])
+    wb.close()
+    sync.close()
+    s = hm.HierarchicalStore.open(tmp_path / "wb")  # closed = drained and flushed
+    try:
+        got = snapshot(s)
+        assert all(torch.equal(got[k], r[k]) for k in got)
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Hold the writer thread inside its transaction until ``gate`` is set."""
+    gate = threading.Event()
+    real = disk_mod.DiskTier._txn_body
+
+    def body(self, q):
+        inner = real(self, q)
+
+        def run(txn):
+            if threading.current_thread().name == "hiermem-lmdb-writer":
+                assert gate.wait(30), "test gate never opened"
+            inner(txn)
+        return run
+
+    monkeypatch.setattr(disk_mod.DiskTier, "_txn_body", body)
+    yield gate
+    gate.set()
+
+
+def test_queued_rows_are_read_from_the_queue(tmp_path, gated):
+    s, ref = make(tmp_path / "s"), FlatStore(TABLES, hm.Adagrad(lr=0.1), seed=3)
+    for name, ids, noise in batches(40, seed=1):
+        for st in (s, ref):
+            emb = st.lookup(name, ids)
+            st.update(name, ids, 0.5 * emb + noise)
+        if s._disk.queued:
+            break
+    assert s._disk.queued > 0  # the writer is held: dirty victims wait in the queue
+    # reads take the queued records (LMDB still holds older ones, or none)
+    stale = 0
+    for ti, ids, rec in s._disk._wq[0].groups:
+        spec = TABLES[ti]
+        found, got = s._disk.read(ti, ids.astype("int64"), s.widths[ti])
+        assert found.all()
+        assert torch.equal(torch.from_numpy(got[:, :spec.dim]), ref.lookup(spec.name, torch.from_numpy(ids.astype("int64"))))
+        f_lmdb, in_lmdb = s._disk._read(ti, ids.astype("int64"), s.widths[ti])
+        stale += int((~f_lmdb).sum()) + int((in_lmdb != got).any(1)[f_lmdb].sum())
+    assert stale > 0
+    gated.set()
+    got, want = snapshot(s), snapshot(ref)
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    s.flush()
+    assert s._disk.queued == 0
+    s.close()
+    s = hm.HierarchicalStore.open(tmp_path / "s")
+    try:
+        got = snapshot(s)
+        assert all(torch.equal(got[k], want[k]) for k in got)
+    finally:
+        s.close()
+
+
+class _FailingWrites:
+    """An lmdb.Environment whose write transactions fail (EIO) while ``on``."""
+
+    def __init__(self, env):
+        self._env, self.on, self.faults = env, True, 0
+
+    def begin(self, *a, **kw):
+        txn = self._env.begin(*a, **kw)
+        if kw.get("write") and self.on:
+            self.faults += 1
+            txn.abort()
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+        return txn
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def test_failed_background_commit_is_retried_raised_typed_and_loses_nothing(tmp_path, monkeypatch):
+    s, twin = make(tmp_path / "s"), make(tmp_path / "twin", wb=False)
+    train([s, twin], 30)
+    st = namedtuple("st", "f_bavail f_frsize")(0, 4096)
+    monkeypatch.setattr(disk_mod.os, "statvfs", lambda p: st)  # the disk is full
+    real = s._disk.env
+    s._disk.env = fake = _FailingWrites(real)
+    raised = None
+    try:
+        for name, ids, noise in batches(60, seed=7):
+            try:
+                emb = s.lookup(name, ids)
+                s.update(name, ids, 0.5 * emb + noise)
+            except hm.DiskFullError as e:
+                raised = e
+                break
+            emb = twin.lookup(name, ids)
+            twin.update(name, ids, 0.5 * emb + noise)
+        assert raised is not None and fake.faults >= 2  # the writer's commit, then the retry
+        assert raised.errno == errno.ENOSPC and str(s.path) in str(raised)
+        assert s._disk.queued > 0  # the failed batch is still queued
+        with pytest.raises(hm.DiskFullError):
+            s.flush()
+    finally:
+        s._disk.env = real
+        monkeypatch.undo()
+    # the disk has room again: the raising call changed nothing, nothing queued was lost
+    got, want = snapshot(s), snapshot(twin)
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    s.flush()
+    assert s._disk.queued == 0
+    want = snapshot(twin)
+    s.close()
+    twin.close()
+    s = hm.HierarchicalStore.open(tmp_path / "s")
+    try:
+        got = snapshot(s)
+        assert all(torch.equal(got[k], want[k]) for k in got)
+    finally:
+        s.close()
+
+
+def test_map_growth_from_the_writer_thread(tmp_path):
+    """A 1 MiB map fills while the writer commits: the next writing call grows it."""
+    tables = [hm.TableSpec("w", 20_000, 64)]
+    cfg = dict(device_rows=64, host_rows=256, optimizer=hm.SGD(lr=0.1), seed=1, map_size=1 << 20)
+    wb = hm.HierarchicalStore(tables, hm.StoreConfig(path=tmp_path / "wb", write_behind=True, **cfg))
+    ref = FlatStore(tables, hm.SGD(lr=0.1), seed=1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        ids = torch.randint(0, 20_000, (256,), generator=g)
+        for st in (wb, ref):
+            st.update("w", ids, torch.ones(256, 64))
+    assert wb._disk.map_size > 1 << 20
+    for i in range(0, 20_000, 250):
+        ids = torch.arange(i, i + 250)
+        assert torch.equal(wb.lookup("w", ids), ref.lookup("w", ids))
+    wb.close()

@@ -193,7 +193,7 @@ class BatchedOps:
         self._host.policy.on_lookahead((g[g >= D] - D).to(self._host.device))
 
     # -- prefetch and pins -------------------------------------------------------------
-    def read_ahead(self, tables: torch.Tensor, ids: torch.Tensor) -> int:
+    def read_ahead(self, tables: torch.Tensor, ids: torch.Tensor, keep: int | None = None) -> int:
         """Read from LMDB the records of an upcoming batch's rows that are not resident,
         holding the store's lock only to find them (the read itself runs unlocked, so
         another thread's lookups and updates go on meanwhile).
@@ -201,7 +201,8 @@ class BatchedOps:
         The records wait in the disk tier's cache, which serves the placement of that
         batch (its :meth:`prefetch`, or its lookup) instead of LMDB; a record written
         in the meantime is dropped, so the cache never serves a stale value.  Returns
-        the records kept.  Changes nothing observable but speed.
+        the records kept.  Changes nothing observable but speed.  ``keep``: how many
+        read-ahead batches the cache holds (default 4; older ones are dropped unused).
         """
         with self._lock:
             self._check_open()
@@ -215,7 +216,7 @@ class BatchedOps:
             mt, mk = b.t[miss].cpu(), b.k[miss].cpu()
             groups = [(ti, mk[mt == ti].numpy(), self.widths[ti]) for ti in torch.unique(mt).tolist()]
             token = self._disk.begin_read_ahead()
-        return self._disk.read_ahead(groups, token)
+        return self._disk.read_ahead(groups, token, keep=keep)
 
     def _pin(self, p, delta: int) -> None:
         for tier, slots, _ in self._parts(p):

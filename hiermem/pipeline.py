@@ -11,12 +11,15 @@ prefetch can never evict them; when pinned rows fill the device tier a prefetch 
 rows in the host tier (still pinned) or, if even that fails, pins nothing and the batch
 is looked up normally: a smaller effective depth, counted, never an error or a deadlock.
 
-Before each ``P(j)`` the thread reads batch ``j``'s non-resident rows from LMDB outside
-the store's lock (:meth:`~hiermem.HierarchicalStore.read_ahead`), overlapping the
-training thread's update; ``P(j)`` then places them from the disk tier's cache.
+As soon as a batch is read from the loader (``depth + 1`` batches ahead), a second
+thread reads its non-resident rows from LMDB outside the store's lock
+(:meth:`~hiermem.HierarchicalStore.read_ahead`), overlapping the steps before it; its
+prefetch (or lookup) then places them from the disk tier's cache.  A read-ahead changes
+nothing but speed (a record written since is dropped), so that thread needs no place in
+the fixed order above.
 
 Thread-safety: the loader is iterated on the caller's thread; only store calls run on
-the background thread, under the store's lock (but for that read-ahead's LMDB read).
+the background threads, under the store's lock (but for the read-ahead's LMDB read).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .batched import Ticket
-from .errors import InvalidArgumentError
+from .errors import HierMemError, InvalidArgumentError
 from .features import SparseFeatures
 from .stats import IO
 
@@ -55,14 +58,14 @@ def _is_kjt(x: Any) -> bool:
 class _Worker:
     """One background thread running store jobs in submission order."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, name: str = "hiermem-prefetch"):
         self._q: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
         self._submitted = 0
         self._done = 0
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._run, name="hiermem-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> None:
@@ -194,6 +197,8 @@ class PrefetchPipeline:
         self._nread = 0
         self._exhausted = False
         self._worker = _Worker(self.store.device)
+        self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead")
+        self._keep = depth + 2 + self._window  # read-ahead batches the disk tier keeps
         self.wait_seconds = 0.0
         self.late_batches = 0
         self.steps = 0
@@ -219,6 +224,7 @@ class PrefetchPipeline:
         self._index.pop(self._nread - self.depth - 2 * self._window - 2, None)
         self._nread += 1
         self.module._pending[id(f)] = h
+        self._reader.submit(lambda: self._read_ahead(h))
         if len(self._recent) < self.depth:  # the first k batches: prefetched once the window is read
             self._initial.append(h)
         else:  # batch j is prefetched right after the lookup of batch j - depth
@@ -231,6 +237,12 @@ class PrefetchPipeline:
         self._ahead.append((batch, h))
         return True
 
+    def _read_ahead(self, h: _Handle) -> None:
+        try:
+            self.store.read_ahead(h.tables, h.ids, keep=self._keep)
+        except HierMemError:  # only speed is lost: the prefetch or lookup reads, and raises
+            pass
+
     def _submit(self, h: _Handle) -> None:
         if h.submitted:
             return
@@ -238,9 +250,6 @@ class PrefetchPipeline:
 
         def job():
             try:
-                # the LMDB reads first, unlocked (overlapping the training thread's
-                # update), then the placement under the lock from those records
-                self.store.read_ahead(h.tables, h.ids)
                 self._set_lookahead(h)
                 h.result = self.store.prefetch(h.tables, h.ids)
             finally:
@@ -314,8 +323,10 @@ class PrefetchPipeline:
         self._ahead.clear()
         try:
             self._worker.wait_idle(self.timeout)
+            self._reader.wait_idle(self.timeout)
         finally:
             self._worker.close()
+            self._reader.close()
 
     def __enter__(self) -> "PrefetchPipeline":
         return self

@@ -199,9 +199,9 @@ class DiskTier:
         # read-ahead cache (see the module docstring); guarded by _ahead_cv
         self._ahead_cv = threading.Condition()
         self._ahead: list[list[_Ahead]] = []  # per read-ahead batch, its tables' chunks
-        self._ahead_open: int | None = None  # write sequence when the read-ahead in flight began
+        self._ahead_open: int | None = None  # token of the read-ahead in flight
+        self._ahead_seq = 0
         self._ahead_active = 0
-        self._wseq = 0
         self._wlog: list[tuple[int, np.ndarray]] = []  # (table, ids) written while a read-ahead is open
         self.ahead_rows = 0  # records read ahead and kept
         self.ahead_hits = 0  # reads served from them
@@ -338,11 +338,12 @@ class DiskTier:
         its residency check and this); returns the token for :meth:`read_ahead`."""
         with self._ahead_cv:
             self._ahead_active += 1
-            self._ahead_open = self._wseq
+            self._ahead_seq += 1  # a later read-ahead's open closes this one (it keeps nothing)
+            self._ahead_open = self._ahead_seq
             self._wlog = []
-            return self._wseq
+            return self._ahead_seq
 
-    def read_ahead(self, groups: list[tuple[int, np.ndarray, int]], token: int) -> int:
+    def read_ahead(self, groups: list[tuple[int, np.ndarray, int]], token: int, keep: int | None = None) -> int:
         """Read ``(table, distinct ids, width)`` groups into the cache, without the store's
         lock; returns the records kept.  Best effort: an LMDB error keeps nothing (the
         real read reports it)."""
@@ -375,7 +376,7 @@ class DiskTier:
                 self._wlog = []
                 if chunks:
                     self._ahead.append(chunks)
-                    del self._ahead[:-AHEAD_BATCHES]
+                    del self._ahead[:-(keep or AHEAD_BATCHES)]
                 kept = sum(int(c.live.sum()) for c in chunks)
                 self.ahead_rows += kept
                 return kept
@@ -387,7 +388,6 @@ class DiskTier:
     def _written(self, groups: list[tuple[int, np.ndarray]]) -> None:
         """Keys just committed: their cached copies are stale."""
         with self._ahead_cv:
-            self._wseq += 1
             for table, ids in groups:
                 ids = np.asarray(ids).astype(np.uint64)
                 for batch in self._ahead:
@@ -402,7 +402,6 @@ class DiskTier:
             self._ahead = []
             self._ahead_open = None
             self._wlog = []
-            self._wseq += 1
 
     def write(self, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], meta: dict | None = None,
               sync: bool = False) -> int:

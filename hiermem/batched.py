@@ -16,7 +16,8 @@ prefetch hits, no second residency accounting); ``release`` unpins after its upd
 
 from __future__ import annotations
 
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,9 @@ class Ticket:
     on_device: bool
     accounted: bool  # the prefetch placed and accounted the batch (its lookup must not again)
     released: bool = False
+    batch: object = None  # the prefetch's dedup (a store Batch), for its lookup to reuse
+    src: tuple | None = None  # the (tables, ids) tensors the prefetch was given
+    slots: torch.Tensor | None = None  # device slots of its rows while pinned (they cannot move)
 
     def __len__(self) -> int:
         return self.k.numel()
@@ -105,6 +109,25 @@ class BatchedOps:
         self._multi_memo: _BagMemo | None = None
         self._live_tickets: list[Ticket] = []  # pinned, not yet released
         self._soon: tuple[torch.Tensor, torch.Tensor] | None = None  # rows of the next batches (lookahead)
+        self._dedups: OrderedDict = OrderedDict()  # recent (tables, ids) -> Batch, see _dedup_multi
+        self._dedups_lock = threading.Lock()
+
+    def _dedup_multi(self, tables, ids):
+        """Validated dedup of ``(tables, ids)`` (a Batch; None when empty), remembered for
+        the same unchanged tensors: a pipeline's read-ahead and prefetch of one batch sort
+        it once.  Pure (no lock needed): it reads only the tables' fixed layout."""
+        key = (id(tables), id(ids))
+        with self._dedups_lock:
+            m = self._dedups.get(key)
+        if m is not None and m[0] is tables and m[1] == tables._version and m[2] is ids and m[3] == ids._version:
+            return m[4]
+        t, k = self._multi_ids(tables, ids)
+        b = self._batch_multi(t, k) if k.numel() else None
+        with self._dedups_lock:
+            self._dedups[key] = (tables, tables._version, ids, ids._version, b)
+            while len(self._dedups) > 16:
+                self._dedups.popitem(last=False)
+        return b
 
     def _multi_ids(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated ``(table index, id)`` per id, int64 on the store's device."""
@@ -160,6 +183,30 @@ class BatchedOps:
             return Placement(None, g)
         return Placement(on_dev, torch.where(on_dev, g, g - D))
 
+    def _src(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefetch's inputs as the store's int64 tensors (no copy on the CPU)."""
+        return tables.to(self.device, torch.int64), ids.to(self.device, torch.int64)
+
+    def _ticket_batch(self, ticket: Ticket | None, tables, ids):
+        """The prefetch's Batch (validated, deduplicated) for a lookup given its ticket.
+
+        Raises:
+            InvalidArgumentError: ``(tables, ids)`` are not what the prefetch was given.
+        """
+        if ticket is None or ticket.src is None:
+            return None
+
+        def same(a, b):
+            if a is b:
+                return True
+            if not isinstance(a, torch.Tensor) or a.dtype not in _INT_DTYPES or a.shape != b.shape:
+                return False
+            return bool(torch.equal(a.to(b.device, torch.int64), b))
+        if not (same(tables, ticket.src[0]) and same(ids, ticket.src[1])):
+            raise InvalidArgumentError("this ticket was issued by the prefetch of other ids: pass the ticket "
+                                       "of this batch (or none)")
+        return ticket.batch
+
     # -- lookahead ----------------------------------------------------------------------
     @property
     def wants_lookahead(self) -> bool:
@@ -204,12 +251,11 @@ class BatchedOps:
         the records kept.  Changes nothing observable but speed.  ``keep``: how many
         read-ahead batches the cache holds (default 4; older ones are dropped unused).
         """
+        b = self._dedup_multi(tables, ids)  # before the lock: it needs none
+        if b is None:
+            return 0
         with self._lock:
             self._check_open()
-            t, k = self._multi_ids(tables, ids)
-            if k.numel() == 0:
-                return 0
-            b = self._batch_multi(t, k)
             miss = self._keys.find(b.t, b.k) < 0
             if not bool(miss.any()):
                 return 0
@@ -227,9 +273,10 @@ class BatchedOps:
 
         Residency is accounted here, exactly as the batch's lookup would account it; the
         lookup given the returned ticket then counts prefetch hits instead.  When the
-        rows cannot all be made resident beside the rows already pinned, nothing is
-        pinned (``ticket.pinned`` is False, counted in ``PREFETCH_DEGRADED``); it never
-        raises for lack of room.
+        rows cannot all be placed on the device beside the rows pinned there (or not
+        twice beside all pinned rows in both tiers), nothing is pinned
+        (``ticket.pinned`` is False, counted in ``PREFETCH_DEGRADED``, and the batch's
+        lookup places it normally); it never raises for lack of room.
 
         Args:
             tables: table index of each id (int, 1-D).
@@ -237,23 +284,27 @@ class BatchedOps:
         """
         with self._lock:
             self._check_open()
-            t, k = self._multi_ids(tables, ids)
-            if k.numel() == 0:
-                return Ticket(t[:0], k[:0], 0, True, True, True)
-            b = self._batch_multi(t, k)
+            b = self._dedup_multi(tables, ids)
+            if b is None:
+                e = torch.zeros(0, dtype=torch.int64, device=self.device)
+                return Ticket(e, e, 0, True, True, True)
             if self._recorder is not None:  # traces keep batch order, refused prefetches too (hiermem.sim)
                 self._recorder.record(b)
             self.counters.add_io(IO.PREFETCH_REQUESTS, 1)
-            pinned = int((self._dev.pins > 0).sum()) + int((self._host.pins > 0).sum())
-            # admission: leave room for one more batch like this one beside every pinned row
-            if pinned + 2 * b.k.numel() > self._dev.capacity + self._host.capacity:
+            pinned_dev = int((self._dev.pins > 0).sum())
+            pinned = pinned_dev + int((self._host.pins > 0).sum())
+            # admission: the batch fits on the device beside the rows pinned there (one that
+            # does not is looked up normally, its LMDB records already read ahead), and
+            # leaves room for one more like it beside every pinned row
+            U = b.k.numel()
+            if pinned_dev + U > self._dev.capacity or pinned + 2 * U > self._dev.capacity + self._host.capacity:
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
-                return Ticket(b.t, b.k, b.n, False, False, False)
+                return Ticket(b.t, b.k, b.n, False, False, False, batch=b, src=self._src(tables, ids))
             try:
                 p = self._place(b, account=True, record=False)
             except CapacityError:  # nothing changed
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
-                return Ticket(b.t, b.k, b.n, False, False, False)
+                return Ticket(b.t, b.k, b.n, False, False, False, batch=b, src=self._src(tables, ids))
             self._pin(p, 1)
             on_dev = p.on_device is None
             if p.was_on_device is not None:  # None: every row was on the device already
@@ -263,7 +314,8 @@ class BatchedOps:
             self.counters.add_io(IO.PREFETCH_PINNED_ROWS, b.k.numel())
             if not on_dev:
                 self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
-            ticket = Ticket(b.t, b.k, b.n, True, on_dev, True)
+            ticket = Ticket(b.t, b.k, b.n, True, on_dev, True, batch=b, src=self._src(tables, ids),
+                            slots=p.slot if on_dev else None)
             self._live_tickets.append(ticket)
             return ticket
 
@@ -279,6 +331,9 @@ class BatchedOps:
             self._live_tickets = [x for x in self._live_tickets if x is not ticket]
 
     def _unpin(self, ticket: Ticket) -> None:
+        if ticket.slots is not None:  # pinned on the device, where pinned rows stay
+            self._dev.pins[ticket.slots] -= 1
+            return
         g = self._keys.find(ticket.t, ticket.k)
         assert bool((g >= 0).all()), "a pinned row is not resident"
         D = self._dev.capacity
@@ -310,9 +365,8 @@ class BatchedOps:
                 if not self.revoke_prefetches():
                     raise
                 return self._place(b, account=account, record=ticket is None)
-        # pinned rows are resident: those the prefetch had to land in the host tier are
-        # served from there (as rows that miss a full device tier are), since moving them
-        # up would only evict device rows the next batches need, and move them back
+        # pinned rows are resident (admission places a pinned batch on the device whole,
+        # and pinned rows are never victims): locate them, nothing moves
         p = self._locate(b)
         assert p is not None, "a pinned row is not resident"
         n_dev = b.counts if p.on_device is None else b.counts[p.on_device]
@@ -416,16 +470,24 @@ class BatchedOps:
         """
         with self._lock:
             self._check_open()
-            t, k = self._multi_ids(tables, ids)
-            n = k.numel()
+            b = self._ticket_batch(ticket, tables, ids)
+            if b is None:
+                t, k = self._multi_ids(tables, ids)
+            n = k.numel() if b is None else b.n
             offsets_in = offsets
             offsets = self._offsets(n, offsets)
             bag, scale = self._bags(n, offsets, mode, per_sample_weights)
             D = self.max_dim
             if n == 0:
                 return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
-            b = self._batch_multi(t, k)
-            p = self._place_batch(b, ticket)
+            if b is not None and ticket.pinned and not ticket.released and ticket.slots is not None:
+                from .store import Placement  # pinned on the device by its prefetch: rows stay put
+
+                self.counters.add_io(IO.PREFETCH_HITS, n)
+                p = Placement(None, ticket.slots)
+            else:
+                b = self._batch_multi(t, k) if b is None else b
+                p = self._place_batch(b, ticket)
             self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
                                         per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
             if p.on_device is None:

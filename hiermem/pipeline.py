@@ -7,11 +7,11 @@ while step ``i`` computes its dense layers (on a side CUDA stream when the devic
 GPU; the host tier is pinned memory then), and ``L(i+1)`` waits for the thread to be
 idle, so every store operation happens in one fixed order and a run is deterministic
 whatever the thread timing.  Pins keep an in-flight batch's rows resident, so a later
-prefetch can never evict them; when pinned rows fill the device tier a prefetch lands
-rows in the host tier (still pinned) or, if even that fails, pins nothing and the batch
-is looked up normally: a smaller effective depth, counted, never an error or a deadlock.
+prefetch can never evict them; a batch that does not fit on the device beside the
+pinned rows pins nothing and is looked up normally: a smaller effective depth, counted,
+never an error or a deadlock.
 
-As soon as a batch is read from the loader (``depth + 1`` batches ahead), a second
+As soon as a batch is read from the loader (``depth + 2`` batches ahead), a second
 thread reads its non-resident rows from LMDB outside the store's lock
 (:meth:`~hiermem.HierarchicalStore.read_ahead`), overlapping the steps before it; its
 prefetch (or lookup) then places them from the disk tier's cache.  A read-ahead changes
@@ -267,7 +267,9 @@ class PrefetchPipeline:
             self.store.set_lookahead(h.tables[:0], h.ids[:0])
 
     def _fill(self) -> None:
-        while not self._exhausted and len(self._ahead) < self.depth + 1 + self._window:
+        # one batch past the prefetch depth (and lookahead window): its read-ahead then has
+        # a whole step to finish before its prefetch starts
+        while not self._exhausted and len(self._ahead) < self.depth + 2 + self._window:
             self._read()
 
     # -- iteration -------------------------------------------------------------------

@@ -110,3 +110,29 @@ def test_store_read_ahead_then_training_equals_plain_lookups(tmp_path):
     assert st["disk_read_ahead_hits"] > 100 and st["disk_read_ahead_rows"] >= st["disk_read_ahead_hits"]
     for s in stores:
         s.close()
+
+
+def test_lookup_reuses_its_prefetch_only_for_the_same_ids(tmp_path):
+    """A lookup given a ticket takes the prefetch's dedup and device slots when its tensors
+    hold what the prefetch was given (even other tensors, other int dtypes); a ticket of
+    other ids is refused with a typed error."""
+    tables = [hm.TableSpec("a", 1000, 4)]
+    s = hm.HierarchicalStore(tables, hm.StoreConfig(path=tmp_path / "s", device_rows=64, host_rows=64))
+    ref = hm.HierarchicalStore(tables, hm.StoreConfig(path=tmp_path / "r", device_rows=64, host_rows=64))
+    t = torch.zeros(12, dtype=torch.int64)
+    ids = torch.tensor([5, 9, 5, 700, 3, 9, 11, 12, 13, 5, 600, 601])
+    offsets = torch.tensor([0, 4, 8])
+    ticket = s.prefetch(t, ids)
+    assert ticket.pinned and ticket.on_device and ticket.slots is not None
+    same = s.lookup_bags(t.clone(), ids.clone(), offsets, ticket=ticket)  # equal content, new tensors
+    torch.testing.assert_close(same, ref.lookup_bags(t, ids, offsets), rtol=0, atol=0)
+    ref.lookup_bags(t, ids, offsets)
+    with pytest.raises(hm.InvalidArgumentError, match="other ids"):
+        s.lookup_bags(t, ids + 100, offsets, ticket=ticket)  # not what was prefetched: refused, nothing changed
+    torch.testing.assert_close(s.lookup_bags(t.int(), ids.int(), offsets), ref.lookup_bags(t, ids, offsets),
+                               rtol=0, atol=0)
+    s.release(ticket)
+    assert int(s._dev.pins.sum()) == 0
+    s.audit()
+    for x in (s, ref):
+        x.close()

@@ -39,7 +39,9 @@ def test_demo_small(capsys, tmp_path):
     summary = json.loads(out.strip().splitlines()[-1])
     for tier in ("device", "host", "disk"):
         assert 0 <= summary[f"{tier}_hit_rate"] <= 1
-    assert summary["steps"] == 12 and summary["prefetch"]["prefetched_batches"] == 12
+    pf = summary["prefetch"]  # the batches that fit on the device beside the pinned ones are pinned
+    assert summary["steps"] == 12 and pf["prefetched_batches"] >= 1
+    assert pf["prefetched_batches"] + pf["prefetch_degraded"] == 12
     assert "loss:" in out and "hit rates:" in out and "prefetch:" in out
     # the demo left a store that the stats command reads back, and a checkpoint to resume from
     assert main(["stats", str(run / "store")]) == 0

@@ -12,7 +12,8 @@ exactly; ``tests/test_sim_exact.py`` checks this against real stores.
 
 Prefetch depth ``k`` follows ``HierarchicalStore.prefetch`` and the pipeline's order
 (``P(0..k-1)``, then per step ``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)``): ``P(j)`` admits a
-batch only if its rows fit twice beside the rows already pinned, then places it with
+batch only if its rows fit on the device beside the rows pinned there and twice beside
+all pinned rows, then places it with
 full accounting and pins its rows where they land (refused or a ``CapacityError``: pins
 nothing, *degraded*, and ``L(j)`` is then a plain accounted lookup); ``L(i)`` of a pinned
 batch uses its rows where they are pinned (device or host), moving nothing; a lookup that cannot fit beside the pins
@@ -488,7 +489,10 @@ class Simulator:
         if n == 0:
             return _Ticket(batch, True, True)
         io[IO.PREFETCH_REQUESTS] += 1
-        if self._pinned_rows + 2 * U > self._dev.capacity + self._host.capacity:  # admission
+        dk = self._dev.keys_k[self._dev.keys_t >= 0] if self._pinned_rows else None
+        pinned_dev = int((self._pins.index_select(0, dk) > 0).sum()) if dk is not None else 0
+        if pinned_dev + U > self._dev.capacity or \
+                self._pinned_rows + 2 * U > self._dev.capacity + self._host.capacity:  # admission
             io[IO.PREFETCH_DEGRADED] += 1
             return _Ticket(batch, False, False)
         g0 = self._keys.loc.index_select(0, k)

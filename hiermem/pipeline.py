@@ -55,6 +55,18 @@ def _is_kjt(x: Any) -> bool:
     return type(x).__name__ == "KeyedJaggedTensor"
 
 
+def _per_thread_intra_op() -> bool:
+    """Whether ``torch.set_num_threads`` sets the calling thread's count (OpenMP) rather
+    than one pool's for all threads."""
+    global _PER_THREAD
+    if _PER_THREAD is None:
+        _PER_THREAD = "OpenMP" in torch.__config__.parallel_info()
+    return _PER_THREAD
+
+
+_PER_THREAD: bool | None = None
+
+
 class _Worker:
     """One background thread running store jobs in submission order."""
 
@@ -65,8 +77,18 @@ class _Worker:
         self._done = 0
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the store's small ops run single-threaded on this thread: sharing the intra-op
+        # pool with the training thread costs it far more than they gain (2x per step on
+        # a 2-core host).  With OpenMP the setting is per thread, but torch also keeps it
+        # as the default of threads not yet started: put that default back once it is set
+        self._single = _per_thread_intra_op()
+        self._started = threading.Event()
+        n = torch.get_num_threads()  # also fixes this thread's own count first
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        if self._single:
+            self._started.wait(60)
+            torch.set_num_threads(n)
 
     def submit(self, fn: Callable[[], None]) -> None:
         with self._cv:
@@ -74,6 +96,10 @@ class _Worker:
         self._q.put(fn)
 
     def _run(self) -> None:
+        if self._single:
+            torch.get_num_threads()  # this thread's lazy init first, or it would undo the next line
+            torch.set_num_threads(1)
+        self._started.set()
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else None
         while True:
             fn = self._q.get()

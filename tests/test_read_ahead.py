@@ -136,3 +136,25 @@ def test_lookup_reuses_its_prefetch_only_for_the_same_ids(tmp_path):
     s.audit()
     for x in (s, ref):
         x.close()
+
+
+def test_pipeline_threads_leave_the_callers_torch_threads_alone():
+    """The pipeline's threads run their small ops single-threaded (with OpenMP, per
+    thread), and neither the caller's count nor that of threads started later changes."""
+    from hiermem import pipeline
+
+    before = torch.get_num_threads()
+    w = pipeline._Worker(torch.device("cpu"))
+    seen = []
+    try:
+        w.submit(lambda: seen.append(torch.get_num_threads()))
+        w.wait_idle(30)
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+    finally:
+        w.close()
+    assert torch.get_num_threads() == before and later == [before]
+    if pipeline._per_thread_intra_op():
+        assert seen == [1]

@@ -266,7 +266,7 @@ class BatchedOps:
 
     def _pin(self, p, delta: int) -> None:
         for tier, slots, _ in self._parts(p):
-            tier.pins[slots] += delta
+            tier.pin(slots, delta)
 
     def prefetch(self, tables: torch.Tensor, ids: torch.Tensor) -> Ticket:
         """Make the rows of an upcoming batch resident (device first) and pin them.
@@ -291,8 +291,8 @@ class BatchedOps:
             if self._recorder is not None:  # traces keep batch order, refused prefetches too (hiermem.sim)
                 self._recorder.record(b)
             self.counters.add_io(IO.PREFETCH_REQUESTS, 1)
-            pinned_dev = int((self._dev.pins > 0).sum())
-            pinned = pinned_dev + int((self._host.pins > 0).sum())
+            pinned_dev = self._dev.pinned
+            pinned = pinned_dev + self._host.pinned
             # admission: the batch fits on the device beside the rows pinned there (one that
             # does not is looked up normally, its LMDB records already read ahead), and
             # leaves room for one more like it beside every pinned row
@@ -332,15 +332,14 @@ class BatchedOps:
 
     def _unpin(self, ticket: Ticket) -> None:
         if ticket.slots is not None:  # pinned on the device, where pinned rows stay
-            self._dev.pins[ticket.slots] -= 1
+            self._dev.pin(ticket.slots, -1)
             return
         g = self._keys.find(ticket.t, ticket.k)
         assert bool((g >= 0).all()), "a pinned row is not resident"
         D = self._dev.capacity
         on_dev = g < D
-        self._dev.pins[g[on_dev]] -= 1
-        hs = (g[~on_dev] - D).cpu()
-        self._host.pins[hs] -= 1
+        self._dev.pin(g[on_dev], -1)
+        self._host.pin((g[~on_dev] - D).to(self._host.device), -1)
 
     def revoke_prefetches(self) -> int:
         """Unpin every outstanding prefetch (their batches are then looked up as if not

@@ -776,7 +776,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         """Check the internal invariants (a debugging aid; O(capacity)).
 
         Every resident row is in exactly one slot of one tier, the index maps it there,
-        and the index holds nothing else.
+        and the index holds nothing else; pin counts sit on occupied slots only, and each
+        tier's count of pinned slots matches its pins.
 
         Raises:
             AssertionError: an invariant is broken.
@@ -787,6 +788,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 occ = tier.occupied()
                 assert occ.numel() == tier.occupancy, f"{tier.tier.label}: free list and keys disagree"
                 assert not bool(tier.dirty[tier.keys_t < 0].any()), f"{tier.tier.label}: dirty free slot"
+                assert not bool(tier.pins[tier.keys_t < 0].any()), f"{tier.tier.label}: pinned free slot"
+                assert bool((tier.pins >= 0).all()), f"{tier.tier.label}: negative pin count"
+                assert tier.pinned == int((tier.pins > 0).sum()), f"{tier.tier.label}: pinned-slot count is off"
                 ts.append(tier.keys_t[occ].to(self.device))
                 ks.append(tier.keys_k[occ].to(self.device))
                 gs.append(tier.g(occ))

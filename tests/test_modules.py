@@ -174,6 +174,43 @@ def test_prefetch_never_evicts_pinned_rows(tmp_path):
     s.close()
 
 
+def test_pinned_slot_counts_follow_every_pin_unpin_and_move(tmp_path):
+    # admission reads each tier's count of pinned slots (kept per pin, unpin and move, not
+    # scanned): overlapping prefetches, lookups, updates and releases keep it exact
+    s = hm.HierarchicalStore([hm.TableSpec("a", 400, 4), hm.TableSpec("b", 300, 2)],
+                             hm.StoreConfig(path=tmp_path / "s", device_rows=24, host_rows=40,
+                                            optimizer=hm.SGD(lr=0.1)))
+    g = torch.Generator().manual_seed(7)
+    live = []
+    for step in range(300):
+        op = int(torch.randint(0, 4, (1,), generator=g))
+        n = int(torch.randint(1, 20, (1,), generator=g))
+        t = torch.randint(0, 2, (n,), generator=g)
+        k = torch.randint(0, 40, (n,), generator=g)
+        if op == 0:
+            live.append(s.prefetch(t, k))
+        elif op == 1 and live:
+            s.release(live.pop(int(torch.randint(0, len(live), (1,), generator=g))))
+        elif op == 2:
+            try:
+                s.lookup("a", k)
+            except hm.CapacityError:
+                pass
+        else:
+            try:
+                s.update("b", k, torch.ones(n, 2))
+            except hm.CapacityError:
+                pass
+        for tier in (s._dev, s._host):
+            assert tier.pinned == int((tier.pins > 0).sum()), (step, tier.tier)
+    assert any(x.pinned for x in live) or s.stats()["_store"]["prefetched_batches"] > 0
+    for x in live:
+        s.release(x)
+    assert s._dev.pinned == 0 and s._host.pinned == 0
+    s.audit()
+    s.close()
+
+
 def test_state_dict_round_trip_and_restore_in_a_fresh_process(tmp_path):
     tables = [hm.TableSpec("a", 500, 4), hm.TableSpec("h", None, 4)]
     cfg = hm.StoreConfig(path=tmp_path / "s", device_rows=16, host_rows=600, optimizer=hm.RowWiseAdagrad(lr=0.1))

@@ -54,6 +54,10 @@ class SlotTier:
         self.keys_k = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self.dirty = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         self.pins = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
+        # slots with pins > 0, kept as a device scalar (no host sync per move): admission
+        # reads it per prefetch, and a whole-tier scan of a host tier of millions of rows
+        # would cost more than the prefetch itself
+        self._npinned = torch.zeros((), dtype=torch.int64, device=self.device)
         self.index = index
         self.base = int(base)
         self.policy = policy.build(self.capacity, self.device)
@@ -89,6 +93,7 @@ class SlotTier:
         rows = Rows(self.keys_t.index_select(0, slots), self.keys_k.index_select(0, slots),
                     self.data.index_select(0, slots) if with_records else self.data[:0],
                     self.dirty.index_select(0, slots), self.policy.carry(slots), self.pins.index_select(0, slots))
+        self._npinned -= (rows.pins > 0).sum()
         if unindex:
             self.index.remove_slots(self.g(slots))
         self.policy.on_remove(slots)
@@ -121,7 +126,11 @@ class SlotTier:
         self.keys_t[slots] = rows.t
         self.keys_k[slots] = rows.k
         self.dirty[slots] = rows.dirty
-        self.pins[slots] = 0 if rows.pins is None else rows.pins
+        if rows.pins is None:
+            self.pins[slots] = 0
+        else:
+            self.pins[slots] = rows.pins
+            self._npinned += (rows.pins > 0).sum()
         if index:
             self.index.insert(rows.t.to(self.index.device), rows.k.to(self.index.device), self.g(slots))
         if rows.carried is not None:
@@ -130,10 +139,17 @@ class SlotTier:
             self.policy.on_insert(slots, clock, counts)
         return slots
 
+    def pin(self, slots: torch.Tensor, delta: int) -> None:
+        """Add ``delta`` to the pin counts of ``slots`` (distinct, occupied)."""
+        before = self.pins.index_select(0, slots)
+        after = before + delta
+        self.pins[slots] = after
+        self._npinned += (after > 0).sum() - (before > 0).sum()
+
     @property
     def pinned(self) -> int:
         """Slots holding a pinned row."""
-        return int((self.pins > 0).sum())
+        return int(self._npinned)
 
     def occupied(self) -> torch.Tensor:
         return (self.keys_t >= 0).nonzero().squeeze(1)

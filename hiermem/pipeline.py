@@ -13,7 +13,9 @@ never an error or a deadlock.
 
 As soon as a batch is read from the loader (``depth + 2`` batches ahead), a second
 thread reads its non-resident rows from LMDB outside the store's lock
-(:meth:`~hiermem.HierarchicalStore.read_ahead`), overlapping the steps before it; its
+(:meth:`~hiermem.HierarchicalStore.read_ahead`; through an I/O process with
+``StoreConfig(io_process=True)``, so the read does not hold the GIL), overlapping the
+steps before it; its
 prefetch (or lookup) then places them from the disk tier's cache.  A read-ahead changes
 nothing but speed (a record written since is dropped), so that thread needs no place in
 the fixed order above.

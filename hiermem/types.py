@@ -114,6 +114,12 @@ class StoreConfig:
             Off by default: a write that fails in the background (a full disk) is then
             retried and raised, typed, by the next call that writes or flushes, not by
             the lookup that evicted; nothing is lost (the rows stay queued).
+        io_process: do the background LMDB I/O (read-ahead, write-behind) in a child
+            process (lmdb and numpy only) instead of on the background thread itself.
+            py-lmdb holds the GIL while it works, so in-thread background I/O stalls
+            the training thread; in a process it runs beside it.  On by default where
+            supported (Linux, where the child dies with its thread); a child that cannot
+            start or fails falls back to in-thread I/O, with the same results.
         trace_path: if set, record every lookup batch to this trace directory
             (:meth:`HierarchicalStore.record`), for offline policy tuning.
     """
@@ -128,6 +134,7 @@ class StoreConfig:
     map_size: int = 1 << 28
     sync_writebacks: bool = False
     write_behind: bool = False
+    io_process: bool = True
     trace_path: Optional[Union[str, os.PathLike]] = None
 
     def __post_init__(self) -> None:
@@ -141,7 +148,7 @@ class StoreConfig:
             raise InvalidArgumentError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.map_size, int) or self.map_size < 1 << 20:
             raise InvalidArgumentError("map_size must be an int >= 1 MiB")
-        for name in ("sync_writebacks", "write_behind"):
+        for name in ("sync_writebacks", "write_behind", "io_process"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidTypeError(f"{name} must be a bool")
         if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):

@@ -23,7 +23,9 @@ Kill modes, cycled over the rounds (``MODES``):
 * ``flush-txn`` / ``flush-sync`` / ``after-flush``: the child kills itself inside its
   k-th flush: with the rows put in the LMDB transaction but not committed; committed but
   not yet synced; or after ``flush()`` returned but before the marker was logged;
-* ``writeback-txn``: inside its k-th eviction write-back transaction, before commit;
+* ``writeback-txn``: inside its k-th eviction write-back transaction, before commit
+  (with ``--write-behind``, inside the writer thread's commit; with its I/O process, just
+  after handing the batch to that process, which dies with the child, mid-commit);
 * ``checkpoint``: a moment after the child announces a ``checkpoint()`` (its flush, the
   LMDB copy, the fsyncs or the rename);
 * ``checkpoint-copy`` / ``checkpoint-rename``: inside the k-th checkpoint, after the LMDB
@@ -46,6 +48,7 @@ kill was a real SIGKILL, every reopen succeeded and no row was lost or torn.
 
     python scripts/torture.py --kills 100           # ~3-4 min on 2 busy cores
     python scripts/torture.py --kills 6 --seed 1 --dir /tmp/t --keep
+    python scripts/torture.py --kills 100 --write-behind [--in-thread-io]
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ import torch  # noqa: E402
 import hiermem as hm  # noqa: E402
 from hiermem.store import initial_records  # noqa: E402
 from hiermem.tiers import DiskTier  # noqa: E402
+from hiermem.tiers.disk import encode_keys  # noqa: E402
 
 # -- the store under torture ---------------------------------------------------------------
 TABLES = [hm.TableSpec("bounded", 300, 8), hm.TableSpec("hashed", None, 4)]
@@ -97,6 +101,7 @@ OPTIMIZERS = {  # Adagrad by default: per-element state, so weights and state co
 }
 _OPTIMIZER = ["adagrad"]  # set by --optimizer, in the harness and (passed on) in the child
 _WRITE_BEHIND = [False]  # set by --write-behind, likewise
+_IO_PROCESS = [True]  # cleared by --in-thread-io, likewise
 
 
 def optimizer() -> hm.Optimizer:
@@ -264,7 +269,16 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
                 body(t)
                 _die()  # the rows are in the transaction, which never commits
             return dying_body
-        disk.enqueue, disk._txn_body = enqueue, txn_body
+
+        real_proc_write = disk._proc_write
+
+        def proc_write(proc, q):  # io_process: the writer thread's I/O process commits
+            if not any(q is d for d in doomed):
+                return real_proc_write(proc, q)
+            proc.begin_write([(encode_keys(np.full(len(ids), t, dtype=np.uint32), ids), rec)
+                              for t, ids, rec in q.groups], q.meta_raw)
+            _die()  # while the I/O process commits: it dies with this process, mid-commit
+        disk.enqueue, disk._txn_body, disk._proc_write = enqueue, txn_body, proc_write
     if mode == "after-flush":
         hooks["after_flush"] = lambda: _die() if seen["flush"] == nth else None
     if mode.startswith("checkpoint-"):
@@ -376,7 +390,8 @@ def child(args: argparse.Namespace) -> int:
     """Train on the store until killed: the ``--child`` entry point."""
     torch.set_num_threads(1)
     ref = Reference.load(Path(args.baseline))
-    store = hm.HierarchicalStore.open(args.store, policy=args.policy, write_behind=args.write_behind)
+    store = hm.HierarchicalStore.open(args.store, policy=args.policy, write_behind=args.write_behind,
+                                      io_process=not args.in_thread_io)
     if store._steps != ref.steps:
         print(f"MISMATCH steps {store._steps} != {ref.steps}", flush=True)
         return 3
@@ -599,7 +614,8 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--optimizer", _OPTIMIZER[0],
            "--store", str(work / "store"), "--ckdir", str(work / "ck"), "--round", str(i),
            "--log", str(log_path), "--baseline", str(base_path), "--seed", str(rng.randrange(2**31)),
-           "--mode", mode, "--nth", str(nth), "--policy", policy] + (["--write-behind"] if _WRITE_BEHIND[0] else [])
+           "--mode", mode, "--nth", str(nth), "--policy", policy] + (["--write-behind"] if _WRITE_BEHIND[0] else []) \
+        + ([] if _IO_PROCESS[0] else ["--in-thread-io"])
     with open(work / "child.stderr", "w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
         out = _Output(proc)
@@ -670,11 +686,13 @@ def verify_checkpoints(work: Path, i: int, c: Check) -> None:
 
 
 def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODES,
-            verbose: bool = True, opt: str = "adagrad", write_behind: bool = False) -> list[Round]:
+            verbose: bool = True, opt: str = "adagrad", write_behind: bool = False,
+            io_process: bool = True) -> list[Round]:
     """Run ``kills`` rounds on a fresh store under ``work`` (optimizer ``opt``, a key of
     :data:`OPTIMIZERS`; ``write_behind`` for the child's store); returns each round's result."""
     _OPTIMIZER[0] = opt
     _WRITE_BEHIND[0] = write_behind
+    _IO_PROCESS[0] = io_process
     rng = random.Random(seed)
     make_store(work / "store").close()
     base = Reference.initial()
@@ -716,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
+    p.add_argument("--in-thread-io", action="store_true",
+                   help="the child's store does its background LMDB I/O on its threads (io_process=False)")
     p.add_argument("--write-behind", action="store_true",
                    help="the child's store commits eviction write-backs on its writer thread")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -725,13 +745,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=20_000, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     _WRITE_BEHIND[0] = a.write_behind
+    _IO_PROCESS[0] = not a.in_thread_io
     if a.child:
         _OPTIMIZER[0] = a.optimizer
         return child(a)
     work = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="hm-torture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        rounds = torture(a.kills, work, a.seed, opt=a.optimizer, write_behind=a.write_behind)
+        rounds = torture(a.kills, work, a.seed, opt=a.optimizer, write_behind=a.write_behind,
+                         io_process=not a.in_thread_io)
     finally:
         if not a.keep and a.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -373,6 +373,8 @@ CONFIG_CASES = [
     ("seed-bool", lambda p: hm.StoreConfig(path=p, seed=True), hm.InvalidArgumentError),
     ("policy-int", lambda p: hm.StoreConfig(path=p, policy=3), hm.InvalidTypeError),
     ("policy-none", lambda p: hm.StoreConfig(path=p, policy=None), hm.InvalidTypeError),
+    ("write_behind-int", lambda p: hm.StoreConfig(path=p, write_behind=1), hm.InvalidTypeError),
+    ("io_process-str", lambda p: hm.StoreConfig(path=p, io_process="yes"), hm.InvalidTypeError),
     # table specs
     ("name-empty", lambda p: hm.TableSpec("", 10, 4), hm.InvalidArgumentError),
     ("name-space", lambda p: hm.TableSpec("a b", 10, 4), hm.InvalidArgumentError),

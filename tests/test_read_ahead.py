@@ -1,5 +1,6 @@
 """The disk tier's read-ahead cache: records read outside the store's lock for an upcoming
-batch must never be served stale (a write in the meantime, even one racing the read)."""
+batch must never be served stale (a write in the meantime, even one racing the read),
+whether the read-ahead thread reads LMDB itself or through its I/O process."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import torch
 
 import hiermem as hm
 from hiermem.tiers import disk as disk_mod
+from hiermem.tiers import lmdb_process
 from hiermem.tiers.disk import DiskTier
+
+IO = [False, pytest.param(True, marks=pytest.mark.skipif(not lmdb_process.supported(),
+                                                          reason="I/O processes need Linux"))]
 
 W = 4
 
@@ -20,11 +25,13 @@ def _rec(ids, v):
     return np.full((len(ids), W), v, dtype=np.float32) + np.asarray(ids, dtype=np.float32)[:, None]
 
 
-@pytest.fixture
-def disk(tmp_path):
-    d = DiskTier(tmp_path / "lmdb", create=True, sync=False)
+@pytest.fixture(params=IO, ids=["in-thread", "io-process"])
+def disk(tmp_path, request):
+    d = DiskTier(tmp_path / "lmdb", create=True, sync=False, io_process=request.param)
     d.write([(0, np.arange(100), _rec(np.arange(100), 0.0))])
     yield d
+    if request.param:  # the read-aheads really went through a process, which never failed
+        assert d.io_failures == 0 and d.io_process
     d.close()
 
 
@@ -32,6 +39,7 @@ def test_read_ahead_serves_reads_and_counts(disk):
     ids = np.array([5, 7, 99, 150])  # 150 was never written
     kept = disk.read_ahead([(0, ids, W)], disk.begin_read_ahead())
     assert kept == 4
+    assert len(disk._io_procs) == int(disk.io_process)
     found, rec = disk.read(0, np.array([150, 7, 5, 99, 3]), W)
     assert found.tolist() == [False, True, True, True, True]
     np.testing.assert_array_equal(rec[1:], _rec([7, 5, 99, 3], 0.0))
@@ -49,18 +57,20 @@ def test_a_write_after_the_read_ahead_drops_the_cached_copy(disk):
 def test_a_write_racing_the_read_ahead_is_not_served_stale(disk, monkeypatch):
     """The read-ahead's LMDB snapshot predates a write that commits before its records
     enter the cache: the keys written meanwhile are dropped, not served."""
-    real = disk_mod.DiskTier._parse
+    cls, name = (lmdb_process.LmdbProcess, "read") if disk.io_process else (disk_mod.DiskTier, "_parse")
+    real = getattr(cls, name)
     fired = []
 
-    def parse_then_write(self, *a):
-        real(self, *a)
+    def read_then_write(self, *a):
+        r = real(self, *a)
         if not fired and threading.current_thread().name == "ahead":
             fired.append(1)  # another thread commits new values while this read is open
             t = threading.Thread(target=lambda: disk.write([(0, np.array([10, 11]), _rec([10, 11], 5.0))]))
             t.start()
             t.join()
+        return r
 
-    monkeypatch.setattr(disk_mod.DiskTier, "_parse", parse_then_write)
+    monkeypatch.setattr(cls, name, read_then_write)
     token = disk.begin_read_ahead()
     out = []
     th = threading.Thread(target=lambda: out.append(disk.read_ahead([(0, np.array([10, 11, 12]), W)], token)),
@@ -81,12 +91,13 @@ def test_clear_discards_cached_and_in_flight_read_aheads(disk):
     assert not found.any()
 
 
-def test_store_read_ahead_then_training_equals_plain_lookups(tmp_path):
+@pytest.mark.parametrize("io_process", IO, ids=["in-thread", "io-process"])
+def test_store_read_ahead_then_training_equals_plain_lookups(tmp_path, io_process):
     """Rows evicted dirty, read ahead, then looked up and updated: same values as a store
     that never read ahead; the cache served the disk reads."""
     tables = [hm.TableSpec("a", 500, 4), hm.TableSpec("b", 300, 4)]
     stores = [hm.HierarchicalStore(tables, hm.StoreConfig(path=tmp_path / n, device_rows=16, host_rows=32,
-                                                          optimizer=hm.Adagrad(lr=0.1)))
+                                                          optimizer=hm.Adagrad(lr=0.1), io_process=io_process))
               for n in ("ahead", "plain")]
     g = torch.Generator().manual_seed(0)
     for step in range(30):
@@ -108,6 +119,7 @@ def test_store_read_ahead_then_training_equals_plain_lookups(tmp_path):
         assert torch.equal(ia[oa], ib[ob]) and torch.equal(ra[oa], rb[ob])
     st = stores[0].stats()["_store"]
     assert st["disk_read_ahead_hits"] > 100 and st["disk_read_ahead_rows"] >= st["disk_read_ahead_hits"]
+    assert stores[0]._disk.io_failures == 0 and len(stores[0]._disk._io_procs) == int(io_process)
     for s in stores:
         s.close()
 

@@ -2,7 +2,9 @@
 
 Queued rows are read from the queue (never a stale LMDB copy), training equals a store
 writing synchronously and a flat reference, a failed background commit is retried and
-raised typed by the next writing call with nothing lost, and map growth still works."""
+raised typed by the next writing call with nothing lost, and map growth still works; all
+of it with the writer thread committing itself or through its I/O process (which may
+also die: the thread then commits in-process, nothing lost)."""
 
 from __future__ import annotations
 
@@ -16,15 +18,20 @@ import torch
 
 import hiermem as hm
 import hiermem.tiers.disk as disk_mod
+from hiermem.tiers import lmdb_process
 from reference import FlatStore
+
+IO = [False, pytest.param(True, marks=pytest.mark.skipif(not lmdb_process.supported(),
+                                                          reason="I/O processes need Linux"))]
+IO_IDS = ["in-thread", "io-process"]
 
 TABLES = [hm.TableSpec("b", 200, 4), hm.TableSpec("h", None, 3)]
 HASHED = torch.tensor([3, 2**33, 2**62 + 5, 2**63 - 1, 17, 123456, 99, 2**40], dtype=torch.int64)
 
 
-def make(path, wb=True, **kw):
+def make(path, wb=True, io=False, **kw):
     cfg = hm.StoreConfig(path=path, device_rows=kw.pop("device_rows", 6), host_rows=kw.pop("host_rows", 12),
-                         optimizer=hm.Adagrad(lr=0.1), seed=3, write_behind=wb, **kw)
+                         optimizer=hm.Adagrad(lr=0.1), seed=3, write_behind=wb, io_process=io, **kw)
     return hm.HierarchicalStore(TABLES, cfg)
 
 
@@ -52,11 +59,15 @@ def snapshot(s):
             "h": s.lookup("h", HASHED)}
 
 
-def test_training_equals_synchronous_write_backs_and_the_reference(tmp_path):
-    wb, sync = make(tmp_path / "wb"), make(tmp_path / "sync", wb=False)
+@pytest.mark.parametrize("io", IO, ids=IO_IDS)
+def test_training_equals_synchronous_write_backs_and_the_reference(tmp_path, io):
+    wb, sync = make(tmp_path / "wb", io=io), make(tmp_path / "sync", wb=False)
     ref = FlatStore(TABLES, hm.Adagrad(lr=0.1), seed=3)
     train([wb, sync, ref], 120)
     assert wb.stats()["_store"]["bytes_host_to_disk"] > 0  # rows really went down (and came back)
+    assert wb._disk.io_failures == 0 and len(wb._disk._io_procs) == int(io)  # the writer's process, if any
+    st = wb.stats()["_store"]
+    assert st["disk_io_processes"] == int(io) and st["disk_io_failures"] == 0
     a, b, r = snapshot(wb), snapshot(sync), snapshot(ref)
     for k in a:
         assert torch.equal(a[k], b[k]) and torch.equal(a[k], r[k])
@@ -70,11 +81,12 @@ def test_training_equals_synchronous_write_backs_and_the_reference(tmp_path):
         s.close()
 
 
-@pytest.fixture
-def gated(monkeypatch):
-    """Hold the writer thread inside its transaction until ``gate`` is set."""
+@pytest.fixture(params=IO, ids=IO_IDS)
+def gated(monkeypatch, request):
+    """Hold the writer thread inside its transaction (or before handing it to its I/O
+    process) until ``gate`` is set; yields (gate, io_process)."""
     gate = threading.Event()
-    real = disk_mod.DiskTier._txn_body
+    real, real_proc = disk_mod.DiskTier._txn_body, disk_mod.DiskTier._proc_write
 
     def body(self, q):
         inner = real(self, q)
@@ -85,13 +97,19 @@ def gated(monkeypatch):
             inner(txn)
         return run
 
+    def proc_write(proc, q):
+        assert gate.wait(30), "test gate never opened"
+        real_proc(proc, q)
+
     monkeypatch.setattr(disk_mod.DiskTier, "_txn_body", body)
-    yield gate
+    monkeypatch.setattr(disk_mod.DiskTier, "_proc_write", staticmethod(proc_write))
+    yield gate, request.param
     gate.set()
 
 
 def test_queued_rows_are_read_from_the_queue(tmp_path, gated):
-    s, ref = make(tmp_path / "s"), FlatStore(TABLES, hm.Adagrad(lr=0.1), seed=3)
+    gated, io = gated
+    s, ref = make(tmp_path / "s", io=io), FlatStore(TABLES, hm.Adagrad(lr=0.1), seed=3)
     for name, ids, noise in batches(40, seed=1):
         for st in (s, ref):
             emb = st.lookup(name, ids)
@@ -183,10 +201,13 @@ def test_failed_background_commit_is_retried_raised_typed_and_loses_nothing(tmp_
         s.close()
 
 
-def test_map_growth_from_the_writer_thread(tmp_path):
-    """A 1 MiB map fills while the writer commits: the next writing call grows it."""
+@pytest.mark.parametrize("io", IO, ids=IO_IDS)
+def test_map_growth_from_the_writer_thread(tmp_path, io):
+    """A 1 MiB map fills while the writer commits: the next writing call grows it (the
+    I/O process reports the full map, and a new one opens the grown map)."""
     tables = [hm.TableSpec("w", 20_000, 64)]
-    cfg = dict(device_rows=64, host_rows=256, optimizer=hm.SGD(lr=0.1), seed=1, map_size=1 << 20)
+    cfg = dict(device_rows=64, host_rows=256, optimizer=hm.SGD(lr=0.1), seed=1, map_size=1 << 20,
+               io_process=io)
     wb = hm.HierarchicalStore(tables, hm.StoreConfig(path=tmp_path / "wb", write_behind=True, **cfg))
     ref = FlatStore(tables, hm.SGD(lr=0.1), seed=1)
     g = torch.Generator().manual_seed(0)
@@ -195,7 +216,44 @@ def test_map_growth_from_the_writer_thread(tmp_path):
         for st in (wb, ref):
             st.update("w", ids, torch.ones(256, 64))
     assert wb._disk.map_size > 1 << 20
+    assert wb._disk.io_failures == 0 and wb._disk.io_process == io  # a full map is no failure
     for i in range(0, 20_000, 250):
         ids = torch.arange(i, i + 250)
         assert torch.equal(wb.lookup("w", ids), ref.lookup("w", ids))
     wb.close()
+
+
+@pytest.mark.skipif(not lmdb_process.supported(), reason="I/O processes need Linux")
+def test_a_dying_io_process_loses_nothing_and_is_given_up_after_three(tmp_path):
+    """SIGKILL the writer's I/O process again and again while training: each lost commit
+    is redone in-process by the next writing call, values equal a synchronous store, and
+    after three failures the store stops starting new processes."""
+    import os
+    import signal
+
+    s, twin = make(tmp_path / "s", io=True), make(tmp_path / "twin", wb=False)
+    ref = FlatStore(TABLES, hm.Adagrad(lr=0.1), seed=3)
+    killed = 0
+    for i, (name, ids, noise) in enumerate(batches(150, seed=5)):
+        for st in (s, twin, ref):
+            emb = st.lookup(name, ids)
+            st.update(name, ids, 0.5 * emb + noise)
+        procs = [p for p in s._disk._io_procs if p.alive]
+        if i % 20 == 10 and procs:
+            os.kill(procs[0].proc.pid, signal.SIGKILL)
+            procs[0].proc.wait()
+            killed += 1
+    assert killed >= 3
+    assert s._disk.io_failures >= 3 and not s._disk.io_process  # given up: in-thread commits now
+    assert s.stats()["_store"]["disk_io_failures"] >= 3
+    a, b, r = snapshot(s), snapshot(twin), snapshot(ref)
+    for k in a:
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], r[k])
+    s.close()
+    twin.close()
+    s = hm.HierarchicalStore.open(tmp_path / "s")
+    try:
+        got = snapshot(s)
+        assert all(torch.equal(got[k], r[k]) for k in got)
+    finally:
+        s.close()

@@ -17,6 +17,12 @@ row's record is in that queue, and :meth:`DiskTier.read` takes it from there.  E
 other write, and :meth:`DiskTier.drain` (flush, checkpoint, close), waits for the queue
 first.  A failed background commit keeps its batch queued; the next call that writes or
 drains retries it on the caller's thread and raises the typed error there.
+With ``io_process`` (the store's default on Linux) those background threads (the writer,
+and each read-ahead thread) hand their LMDB work to a child process each
+(:mod:`hiermem.tiers.lmdb_process`): py-lmdb holds the GIL while it works, so done on
+the thread itself it would stop the training thread; the protocol above is unchanged (a
+child commits a queued batch, then the thread drops it from the queue).  A child that
+dies or fails is replaced, and after three failures the threads do the I/O themselves.
 When LMDB's map fills, the map doubles and the transaction is retried; a real disk-full
 error aborts the transaction (nothing is written) and raises :class:`DiskFullError`.
 """
@@ -38,6 +44,8 @@ import lmdb
 import numpy as np
 
 from ..errors import DiskFullError, HierMemError, StoreFormatError
+from . import lmdb_process
+from .lmdb_process import LmdbProcess, LmdbProcessError
 from ..stats import Histogram
 
 KEY_DTYPE = np.dtype([("t", ">u4"), ("k", ">u8")])
@@ -123,6 +131,13 @@ class _Ahead:
     rec: np.ndarray
     live: np.ndarray
 
+    def drop(self, ids: np.ndarray) -> None:
+        """Mark ``ids`` (uint64, any order) not live: one binary search each."""
+        if not len(self.ids) or not len(ids):
+            return
+        j = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        self.live[j[self.ids[j] == ids]] = False
+
 
 AHEAD_BATCHES = 4  # read-ahead batches kept (older ones are dropped unused)
 WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
@@ -130,10 +145,9 @@ WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond
 
 @dataclass
 class _Queued:
-    """One queued write-back: per table, ids sorted with their records, and its txn items."""
+    """One queued write-back: per table, ids sorted (in key order) with their records."""
 
     groups: list[tuple[int, np.ndarray, np.ndarray]]
-    items: list
     meta_raw: bytes | None
     nbytes: int
 
@@ -148,10 +162,13 @@ class DiskTier:
         sync: fsync on every commit; when False only :meth:`sync` (called by flush)
             forces data to disk.
         write_behind: commit :meth:`enqueue`'d write-backs on a writer thread.
+        io_process: the writer thread and read-ahead threads hand their LMDB work to a
+            child process each (:class:`~hiermem.tiers.lmdb_process.LmdbProcess`);
+            falls back to doing it in-thread when unsupported or when a child fails.
     """
 
     def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True,
-                 write_behind: bool = False):
+                 write_behind: bool = False, io_process: bool = False):
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
@@ -212,6 +229,13 @@ class DiskTier:
         self._wq_failed = False  # the writer stopped on an error: callers retry
         self._wq_stop = False
         self._writer: threading.Thread | None = None
+        # background I/O processes: one per background thread that does LMDB work
+        self.io_process = bool(io_process) and lmdb_process.supported()
+        self._sync = sync
+        self._io = threading.local()
+        self._io_lock = threading.Lock()
+        self._io_procs: list[LmdbProcess] = []
+        self.io_failures = 0  # child processes that failed to start or died (in-thread I/O meanwhile)
 
     # -- metadata ---------------------------------------------------------------
     def read_meta(self) -> dict | None:
@@ -350,19 +374,7 @@ class DiskTier:
         try:
             chunks = []
             try:
-                with self.env.begin(db=self.rows_db, buffers=False) as txn:
-                    cur = txn.cursor()
-                    for table, ids, width in groups:
-                        ids = np.sort(np.asarray(ids).astype(np.uint64))
-                        found = np.zeros(len(ids), dtype=bool)
-                        rec = np.zeros((len(ids), width), dtype=np.float32)
-                        keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
-                        t0 = time.perf_counter()
-                        res = cur.getmulti(key_list(keys))
-                        with self._ahead_cv:
-                            self.read_seconds.observe(time.perf_counter() - t0)
-                        self._parse(res, table, width, keys, np.arange(len(ids)), found, rec)
-                        chunks.append(_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool)))
+                chunks = self._read_chunks(groups)
             except (lmdb.Error, StoreFormatError):
                 chunks = []
             with self._ahead_cv:
@@ -371,7 +383,7 @@ class DiskTier:
                 for table, written in self._wlog:  # written while this one read: stale
                     for c in chunks:
                         if c.table == table:
-                            c.live &= ~np.isin(c.ids, written)
+                            c.drop(written)
                 self._ahead_open = None
                 self._wlog = []
                 if chunks:
@@ -385,6 +397,85 @@ class DiskTier:
                 self._ahead_active -= 1
                 self._ahead_cv.notify_all()
 
+    def _read_chunks(self, groups: list[tuple[int, np.ndarray, int]]) -> list[_Ahead]:
+        """Records of ``(table, ids, width)`` groups, read by this thread's I/O process
+        (or here)."""
+        groups = [(table, np.sort(np.asarray(ids).astype(np.uint64)), width) for table, ids, width in groups]
+        keys = [encode_keys(np.full(len(ids), table, dtype=np.uint32), ids) for table, ids, _ in groups]
+        proc = self._proc(write=False)
+        if proc is not None:
+            t0 = time.perf_counter()
+            try:
+                got = proc.read([(k, w) for k, (_, _, w) in zip(keys, groups)])
+            except LmdbProcessError as e:
+                self._proc_failed(proc, e)
+            else:
+                with self._ahead_cv:
+                    self.read_seconds.observe(time.perf_counter() - t0)
+                for (table, ids, _), (found, rec) in zip(groups, got):
+                    self.bytes_read += int(found.sum()) * rec.shape[1] * 4
+                return [_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool))
+                        for (table, ids, _), (found, rec) in zip(groups, got)]
+        chunks = []
+        with self.env.begin(db=self.rows_db, buffers=False) as txn:
+            cur = txn.cursor()
+            for (table, ids, width), k in zip(groups, keys):
+                found = np.zeros(len(ids), dtype=bool)
+                rec = np.zeros((len(ids), width), dtype=np.float32)
+                t0 = time.perf_counter()
+                res = cur.getmulti(key_list(k))
+                with self._ahead_cv:
+                    self.read_seconds.observe(time.perf_counter() - t0)
+                self._parse(res, table, width, k, np.arange(len(ids)), found, rec)
+                chunks.append(_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool)))
+        return chunks
+
+    # -- background I/O processes ----------------------------------------------------
+    def _proc(self, write: bool) -> LmdbProcess | None:
+        """This thread's I/O process (started on first use), or None: do the I/O here."""
+        if not self.io_process:
+            return None
+        p = getattr(self._io, "proc", None)
+        if p is not None and p.alive:
+            return p
+        if p is not None:
+            self._proc_failed(p, None)
+        with self._io_lock:
+            for q in [q for q in self._io_procs if not q.alive]:  # their threads ended
+                self._io_procs.remove(q)
+                q.close()
+            if not self.io_process:
+                return None
+        try:
+            p = LmdbProcess(self.path, self.map_size, write=write, sync=self._sync)
+        except (LmdbProcessError, OSError):
+            self._proc_failed(None, None)
+            return None
+        with self._io_lock:
+            self._io_procs.append(p)
+        self._io.proc = p
+        return p
+
+    @property
+    def io_processes(self) -> int:
+        """I/O processes running now (one per background thread that used one)."""
+        with self._io_lock:
+            return sum(p.alive for p in self._io_procs)
+
+    def _proc_failed(self, p: LmdbProcess | None, e: LmdbProcessError | None) -> None:
+        """Drop a failed or finished process; after three failures, in-thread I/O only."""
+        if p is not None:
+            self._io.proc = None
+            with self._io_lock:
+                if p in self._io_procs:
+                    self._io_procs.remove(p)
+            p.close()
+        if e is None or not e.map_full:  # a full map: a new process opens the grown map
+            with self._io_lock:
+                self.io_failures += 1
+                if self.io_failures >= 3:
+                    self.io_process = False
+
     def _written(self, groups: list[tuple[int, np.ndarray]]) -> None:
         """Keys just committed: their cached copies are stale."""
         with self._ahead_cv:
@@ -393,7 +484,7 @@ class DiskTier:
                 for batch in self._ahead:
                     for c in batch:
                         if c.table == table:
-                            c.live &= ~np.isin(c.ids, ids)
+                            c.drop(ids)
                 if self._ahead_open is not None:
                     self._wlog.append((table, ids))
 
@@ -427,24 +518,23 @@ class DiskTier:
         return q.nbytes
 
     def _prepare(self, groups, meta: dict | None) -> _Queued:
-        out, items, nbytes = [], [], 0
+        out, nbytes = [], 0
         for table, ids, rec in groups:
             if len(ids) == 0:
                 continue
             rec = np.ascontiguousarray(rec, dtype="<f4")
             keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
             order = np.argsort(keys, kind="stable")  # in key order the B-tree's pages stay hot
-            vals = rec.view(f"V{rec.shape[1] * 4}").reshape(len(ids))[order]
-            items.append((key_list(keys[order]), vals.tolist()))
             out.append((table, np.asarray(ids).astype(np.uint64)[order], rec[order]))
             nbytes += rec.nbytes
-        return _Queued(out, items, None if meta is None else self._meta_bytes(meta), nbytes)
+        return _Queued(out, None if meta is None else self._meta_bytes(meta), nbytes)
 
     def _txn_body(self, q: _Queued) -> Callable[[lmdb.Transaction], None]:
         def body(txn: lmdb.Transaction) -> None:
             cur = txn.cursor(db=self.rows_db)
-            for ks, vs in q.items:
-                cur.putmulti(zip(ks, vs))
+            for table, ids, rec in q.groups:
+                keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
+                cur.putmulti(zip(key_list(keys), rec.view(f"V{rec.shape[1] * 4}").reshape(len(ids)).tolist()))
             if q.meta_raw is not None:
                 txn.put(META_KEY, q.meta_raw, db=self.meta_db)
         return body
@@ -487,14 +577,28 @@ class DiskTier:
                 q = self._wq[0]
             t0 = time.perf_counter()
             try:  # no map growth here: that needs every reader out (the caller's retry does it)
-                with self.env.begin(write=True) as txn:
-                    self._txn_body(q)(txn)
+                proc = self._proc(write=True)
+                if proc is not None:
+                    try:
+                        self._proc_write(proc, q)
+                    except LmdbProcessError as e:
+                        self._proc_failed(proc, e)
+                        raise
+                else:
+                    with self.env.begin(write=True) as txn:
+                        self._txn_body(q)(txn)
             except BaseException:
                 with self._wq_cv:
                     self._wq_failed = True
                     self._wq_cv.notify_all()
                 continue
             self._committed(q, t0)
+
+    @staticmethod
+    def _proc_write(proc: LmdbProcess, q: _Queued) -> None:
+        """Commit a queued write-back in the writer thread's I/O process."""
+        proc.write([(encode_keys(np.full(len(ids), t, dtype=np.uint32), ids), rec) for t, ids, rec in q.groups],
+                   q.meta_raw)
 
     def _committed(self, q: _Queued, t0: float) -> None:
         self._written([(t, ids) for t, ids, _ in q.groups])  # a read-ahead open meanwhile drops them
@@ -594,4 +698,9 @@ class DiskTier:
             self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
             self._ahead = []
             self._ahead_open = None
+        with self._io_lock:
+            procs, self._io_procs = self._io_procs, []
+            self.io_process = False
+        for p in procs:
+            p.close()
         self.env.close()

@@ -1,0 +1,162 @@
+"""The LMDB I/O process: reads or commits batches of records for a store's disk tier.
+
+Run by :class:`hiermem.tiers.lmdb_process.LmdbProcess` as ``python _lmdb_server.py PATH
+MAP_SIZE MODE SYNC`` (MODE ``r``: reads only; ``w``: write transactions too).  It imports
+only lmdb and numpy (not torch, not hiermem), so it starts in a fraction of a second.
+
+Why a process: py-lmdb holds the GIL through ``getmulti``, ``putmulti`` and commit, so
+LMDB work on a thread of the training process stalls every other thread of it; here it
+runs on another core.  LMDB is built for several processes on one environment: readers
+see committed transactions, writers are serialised by LMDB's own lock.
+
+Protocol (binary, framed; no pickle) on stdin/stdout: a request is one op byte, a u64
+length and a payload; a reply is one status byte (0 ok, 1 map full, 2 error), a u64
+length and a payload (an error's payload is its message).
+
+- ``R`` read: u32 groups; each u32 width (floats), u64 n, then n sorted 12-byte keys.
+  Reply: per group n found bytes (0/1), then n * width float32 records (zero where not found).
+- ``W`` write (one transaction): u32 groups; each u32 record bytes, u64 n, n keys, n
+  records; then u32 meta length and the meta value.  Reply: empty.
+- ``Q`` quit.
+
+A map that is full is reported (the store grows it in its own process and commits
+there); a map grown by another process is adopted.  The process dies with the thread
+that started it (Linux ``PR_SET_PDEATHSIG``), so a killed trainer leaves no commit
+running behind it.
+"""
+
+import os
+import struct
+import sys
+
+ROWS_DB, META_DB, META_KEY = b"rows", b"meta", b"store"
+_HDR = struct.Struct("<cQ")
+_REPLY = struct.Struct("<BQ")
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(0)
+
+
+def _read_exact(f, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = f.read(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _reply(out, status: int, payload: bytes = b"") -> None:
+    out.write(_REPLY.pack(status, len(payload)))
+    if payload:
+        out.write(payload)
+    out.flush()
+
+
+def _keys(raw: bytes, off: int, n: int) -> list:
+    return [raw[i:i + 12] for i in range(off, off + 12 * n, 12)]
+
+
+def _read(env, rows, np, raw: bytes) -> bytes:
+    (ngroups,) = struct.unpack_from("<I", raw, 0)
+    off, out = 4, []
+    with env.begin(db=rows, buffers=False) as txn:
+        cur = txn.cursor()
+        for _ in range(ngroups):
+            width, n = struct.unpack_from("<IQ", raw, off)
+            off += 12
+            skeys = np.frombuffer(raw, dtype="S12", count=n, offset=off)
+            res = cur.getmulti(_keys(raw, off, n))
+            off += 12 * n
+            found = np.zeros(n, dtype=np.uint8)
+            rec = np.zeros((n, width), dtype="<f4")
+            if res:
+                recs = b"".join([kv[1] for kv in res])
+                if len(recs) != len(res) * width * 4:
+                    raise ValueError(f"corrupt store: records are not {width} floats")
+                pos = np.searchsorted(skeys, np.frombuffer(b"".join([kv[0] for kv in res]), dtype="S12"))
+                found[pos] = 1
+                rec[pos] = np.frombuffer(recs, dtype="<f4").reshape(len(res), width)
+            out += [found.tobytes(), rec.tobytes()]
+    return b"".join(out)
+
+
+def _write(env, rows, meta_db, raw: bytes) -> None:
+    (ngroups,) = struct.unpack_from("<I", raw, 0)
+    off, groups = 4, []
+    for _ in range(ngroups):
+        rb, n = struct.unpack_from("<IQ", raw, off)
+        off += 12
+        ks = _keys(raw, off, n)
+        off += 12 * n
+        vs = [raw[i:i + rb] for i in range(off, off + rb * n, rb)]
+        off += rb * n
+        groups.append((ks, vs))
+    (mlen,) = struct.unpack_from("<I", raw, off)
+    meta = raw[off + 4:off + 4 + mlen] if mlen else None
+    with env.begin(write=True) as txn:
+        cur = txn.cursor(db=rows)
+        for ks, vs in groups:
+            cur.putmulti(zip(ks, vs))
+        if meta is not None:
+            txn.put(META_KEY, meta, db=meta_db)
+
+
+def main(argv) -> int:
+    path, map_size, mode, sync, parent = argv[1], int(argv[2]), argv[3], argv[4] == "1", int(argv[5])
+    _die_with_parent(parent)
+    import lmdb
+    import numpy as np
+
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write to the reply channel
+    try:
+        env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, meminit=False, create=False,
+                        sync=sync, readonly=mode == "r")
+        rows = env.open_db(ROWS_DB, create=False)
+        meta_db = env.open_db(META_DB, create=False)
+    except Exception as e:  # the store sees the failed start and does its I/O itself
+        _reply(out, 2, f"cannot open {path}: {e}".encode())
+        return 1
+    _reply(out, 0, b"hiermem-lmdb")
+    while True:
+        try:
+            op, n = _HDR.unpack(_read_exact(inp, _HDR.size))
+            raw = _read_exact(inp, n)
+        except EOFError:
+            return 0
+        if op == b"Q":
+            return 0
+        for _attempt in range(3):
+            try:
+                if op == b"R":
+                    _reply(out, 0, _read(env, rows, np, raw))
+                elif op == b"W" and mode == "w":
+                    _write(env, rows, meta_db, raw)
+                    _reply(out, 0)
+                else:
+                    _reply(out, 2, f"bad request {op!r}".encode())
+                break
+            except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                env.set_mapsize(0)
+            except lmdb.MapFullError:
+                _reply(out, 1, b"map full")
+                break
+            except Exception as e:
+                _reply(out, 2, f"{type(e).__name__}: {e}".encode())
+                break
+        else:
+            _reply(out, 2, b"map resized repeatedly")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -164,7 +164,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._claim_path()
         try:
             self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
-                                  write_behind=config.write_behind, io_process=config.io_process)
+                                  write_behind=config.write_behind, io_process=config.io_process,
+                                  writemap=config.writemap)
             try:
                 self._steps = self._check_layout(self._disk.read_meta())
             except BaseException:
@@ -198,13 +199,13 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
         ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
         of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``,
-        ``sync_writebacks``, ``write_behind``, ``io_process``, ``trace_path``).
+        ``sync_writebacks``, ``write_behind``, ``io_process``, ``writemap``, ``trace_path``).
 
         Raises:
             StoreFormatError: ``path`` is not a hiermem store, or is corrupt.
         """
         bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks",
-                                "write_behind", "io_process", "trace_path"}
+                                "write_behind", "io_process", "writemap", "trace_path"}
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
         with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
@@ -769,7 +770,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
                 "disk_read_ahead_rows": self._disk.ahead_rows, "disk_read_ahead_hits": self._disk.ahead_hits,
                 "disk_write_queue_rows": self._disk.queued,
-                "disk_io_processes": self._disk.io_processes, "disk_io_failures": self._disk.io_failures,
+                "disk_writemap": self._disk.writemap, "disk_io_processes": self._disk.io_processes,
+                "disk_io_failures": self._disk.io_failures,
             }
             return out
 

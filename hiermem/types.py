@@ -120,6 +120,14 @@ class StoreConfig:
             the training thread; in a process it runs beside it.  On by default where
             supported (Linux, where the child dies with its thread); a child that cannot
             start or fails falls back to in-thread I/O, with the same results.
+        writemap: commit through LMDB's shared map (``MDB_WRITEMAP``) over a data file
+            allocated in full up front (``posix_fallocate``): about half the cost of a
+            scattered write-back, at the price of the map's size on disk (the map then
+            starts at twice the store's pages, at least 8 MiB and at most ``map_size``,
+            and doubles as it fills, each step allocated on disk).  None (the
+            default): where the filesystem honours preallocation (ext2/3/4, XFS, tmpfs)
+            and there is room for the map now; True: always (a copy-on-write filesystem
+            such as btrfs could then fault on a full disk); False: never.
         trace_path: if set, record every lookup batch to this trace directory
             (:meth:`HierarchicalStore.record`), for offline policy tuning.
     """
@@ -135,6 +143,7 @@ class StoreConfig:
     sync_writebacks: bool = False
     write_behind: bool = False
     io_process: bool = True
+    writemap: Optional[bool] = None
     trace_path: Optional[Union[str, os.PathLike]] = None
 
     def __post_init__(self) -> None:
@@ -151,6 +160,8 @@ class StoreConfig:
         for name in ("sync_writebacks", "write_behind", "io_process"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidTypeError(f"{name} must be a bool")
+        if self.writemap is not None and not isinstance(self.writemap, bool):
+            raise InvalidTypeError("writemap must be a bool or None")
         if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):
             raise InvalidTypeError("trace_path must be a path or None")
         if not isinstance(self.policy, (str, os.PathLike)):

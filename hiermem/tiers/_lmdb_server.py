@@ -1,7 +1,8 @@
 """The LMDB I/O process: reads or commits batches of records for a store's disk tier.
 
 Run by :class:`hiermem.tiers.lmdb_process.LmdbProcess` as ``python _lmdb_server.py PATH
-MAP_SIZE MODE SYNC`` (MODE ``r``: reads only; ``w``: write transactions too).  It imports
+MAP_SIZE MODE SYNC PARENT WRITEMAP`` (MODE ``r``: reads only; ``w``: write transactions
+too, through the shared map when WRITEMAP is 1, the parent having allocated the file).  It imports
 only lmdb and numpy (not torch, not hiermem), so it starts in a fraction of a second.
 
 Why a process: py-lmdb holds the GIL through ``getmulti``, ``putmulti`` and commit, so
@@ -113,6 +114,7 @@ def _write(env, rows, meta_db, raw: bytes) -> None:
 
 def main(argv) -> int:
     path, map_size, mode, sync, parent = argv[1], int(argv[2]), argv[3], argv[4] == "1", int(argv[5])
+    writemap = mode == "w" and argv[6] == "1"  # the parent allocated the file up to map_size
     _die_with_parent(parent)
     import lmdb
     import numpy as np
@@ -121,7 +123,7 @@ def main(argv) -> int:
     sys.stdout = sys.stderr  # nothing else may write to the reply channel
     try:
         env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, meminit=False, create=False,
-                        sync=sync, readonly=mode == "r")
+                        sync=sync, readonly=mode == "r", writemap=writemap)
         rows = env.open_db(ROWS_DB, create=False)
         meta_db = env.open_db(META_DB, create=False)
     except Exception as e:  # the store sees the failed start and does its I/O itself

@@ -25,6 +25,16 @@ child commits a queued batch, then the thread drops it from the queue).  A child
 dies or fails is replaced, and after three failures the threads do the I/O themselves.
 When LMDB's map fills, the map doubles and the transaction is retried; a real disk-full
 error aborts the transaction (nothing is written) and raises :class:`DiskFullError`.
+
+With ``writemap`` (the store's default where the filesystem honours preallocation:
+ext2/3/4, XFS, tmpfs), writers open the environment with ``MDB_WRITEMAP``: a commit
+writes its pages into the shared map instead of copying them out with ``pwrite``, which
+halves the cost of a scattered write-back.  LMDB sizes the file to the map, and a write
+into a page the disk cannot back would fault (SIGBUS), so every byte of the map is
+allocated first (``posix_fallocate``); a map that cannot grow for lack of room raises
+:class:`DiskFullError` with nothing written, as without it.  Only the process's own
+environment and the writer's child map with writes; the file never shrinks under one of
+them, since each opens at the current file size and only the owning process grows it.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import struct
 import threading
 import time
@@ -81,6 +92,36 @@ def _disk_full(path: Path, e: BaseException, need: int = 0) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize <= need + (1 << 16)
+
+
+# filesystems where blocks allocated by posix_fallocate back every later write in place
+# (copy-on-write filesystems such as btrfs or ZFS may still fail a write into them)
+PREALLOCATING_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "tmpfs"})
+
+
+def filesystem_type(path: str | os.PathLike) -> str | None:
+    """The type of the filesystem mounted at ``path`` (from ``/proc/self/mountinfo``),
+    or None where that is not known."""
+    real = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields = left.split()
+                if not sep or len(fields) < 5 or not right.split():
+                    continue
+                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, fstype = mnt, right.split()[0]
+    except OSError:
+        return None
+    return fstype
+
+
+def writemap_safe(path: str | os.PathLike) -> bool:
+    """Whether a preallocated LMDB map at ``path`` can be written in place safely."""
+    return hasattr(os, "posix_fallocate") and filesystem_type(path) in PREALLOCATING_FILESYSTEMS
 
 
 _META_MAGIC = 0xBEEFC0DE
@@ -139,6 +180,7 @@ class _Ahead:
         self.live[j[self.ids[j] == ids]] = False
 
 
+WRITEMAP_INITIAL = 8 << 20  # with writemap the map starts small (it is allocated on disk) and doubles
 AHEAD_BATCHES = 4  # read-ahead batches kept (older ones are dropped unused)
 WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
 
@@ -165,10 +207,18 @@ class DiskTier:
         io_process: the writer thread and read-ahead threads hand their LMDB work to a
             child process each (:class:`~hiermem.tiers.lmdb_process.LmdbProcess`);
             falls back to doing it in-thread when unsupported or when a child fails.
+        writemap: write through a preallocated shared map (see the module docstring);
+            None: where :func:`writemap_safe`, and only if the whole map can be
+            allocated now (else without, writing only the pages used).  The map then
+            starts at twice the pages in use (at least ``WRITEMAP_INITIAL``, at most
+            ``map_size``; never below the file's size) and doubles as it fills.
+
+    Raises:
+        DiskFullError: ``writemap=True`` and the disk has no room for the map.
     """
 
     def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True,
-                 write_behind: bool = False, io_process: bool = False):
+                 write_behind: bool = False, io_process: bool = False, writemap: bool | None = False):
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
@@ -208,6 +258,14 @@ class DiskTier:
         for f in (data, self.path / "lock.mdb"):
             if f.exists():
                 os.chmod(f, 0o600)
+        self.writemap = False
+        if writemap or (writemap is None and writemap_safe(self.path)):
+            try:
+                self._open_writemap(map_size, sync)
+            except DiskFullError:
+                if writemap:
+                    self.env.close()
+                    raise
         self.map_size = self.env.info()["map_size"]
         self.bytes_read = 0
         self.bytes_written = 0
@@ -236,6 +294,61 @@ class DiskTier:
         self._io_lock = threading.Lock()
         self._io_procs: list[LmdbProcess] = []
         self.io_failures = 0  # child processes that failed to start or died (in-thread I/O meanwhile)
+
+    def _open_writemap(self, map_size: int, sync: bool) -> None:
+        """Reopen the (validated) environment with ``MDB_WRITEMAP`` over a map allocated
+        in full; on DiskFullError the environment stays open as it was."""
+        info, psize = self.env.info(), self.env.stat()["psize"]
+        used = (info["last_pgno"] + 1) * psize
+        size = max((self.path / "data.mdb").stat().st_size, min(map_size, max(WRITEMAP_INITIAL, 2 * used)))
+        size = -(-size // (1 << 20)) << 20
+        self._preallocate(size)
+        self.env.close()
+        for wm in (True, False):  # should the reopen fail, back to the plain environment
+            try:
+                self.env = lmdb.open(str(self.path), map_size=size, max_dbs=4, readahead=False, meminit=False,
+                                     create=False, sync=sync, writemap=wm)
+                self.rows_db = self.env.open_db(b"rows", create=False)
+                self.meta_db = self.env.open_db(b"meta", create=False)
+            except lmdb.Error as e:
+                if not wm:
+                    raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
+                continue
+            self.writemap = wm
+            return
+
+    def _preallocate(self, size: int) -> None:
+        """Allocate the data file's first ``size`` bytes (extending it).
+
+        Raises:
+            DiskFullError: no room (what was allocated may stay, unused).
+        """
+        fd = os.open(self.path / "data.mdb", os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full: no room for an LMDB map of "
+                                                  f"{size} bytes ({e.strerror})") from e
+            raise HierMemError(f"{self.path}: cannot allocate the LMDB map: {e}") from e
+        finally:
+            os.close(fd)
+
+    def _grown_map(self) -> int:
+        """Allocate a larger map for :meth:`_write_txn` (writemap): double it, or where the
+        disk lacks room for that, grow by an eighth (at least 64 KiB; the caller retries,
+        growing again while the transaction does not fit).
+
+        Raises:
+            DiskFullError: no room even for the smaller step.
+        """
+        try:
+            self._preallocate(self.map_size * 2)
+            return self.map_size * 2
+        except DiskFullError:
+            size = -(-(self.map_size + max(1 << 16, self.map_size // 8)) // (1 << 16)) << 16
+            self._preallocate(size)
+            return size
 
     # -- metadata ---------------------------------------------------------------
     def read_meta(self) -> dict | None:
@@ -447,7 +560,8 @@ class DiskTier:
             if not self.io_process:
                 return None
         try:
-            p = LmdbProcess(self.path, self.map_size, write=write, sync=self._sync)
+            p = LmdbProcess(self.path, self.map_size, write=write, sync=self._sync,
+                            writemap=write and self.writemap)
         except (LmdbProcessError, OSError):
             self._proc_failed(None, None)
             return None
@@ -651,10 +765,11 @@ class DiskTier:
                     body(txn)
                 return
             except lmdb.MapFullError:
-                self.map_size *= 2
                 with self._ahead_cv:  # no transaction may be open while the map is resized
                     self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
-                    self.env.set_mapsize(self.map_size)
+                    size = self._grown_map() if self.writemap else self.map_size * 2
+                    self.env.set_mapsize(size)
+                    self.map_size = size
             except lmdb.Error as e:
                 if _disk_full(self.path, e, nbytes):
                     raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full; the write was not made ({e})") from e

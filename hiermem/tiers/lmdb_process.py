@@ -47,6 +47,8 @@ class LmdbProcess:
         map_size: the map size to open with (a larger one set since is adopted).
         write: allow write transactions (else the environment is opened read-only).
         sync: fsync every commit.
+        writemap: write through the shared map (``MDB_WRITEMAP``; ``write`` only): the
+            caller has allocated the file up to ``map_size``, the current map size.
 
     Not thread-safe: one thread uses it (and, on Linux, the process is killed when that
     thread ends).
@@ -55,10 +57,10 @@ class LmdbProcess:
         LmdbProcessError: the process did not start or could not open the store.
     """
 
-    def __init__(self, path: str | os.PathLike, map_size: int, write: bool, sync: bool):
+    def __init__(self, path: str | os.PathLike, map_size: int, write: bool, sync: bool, writemap: bool = False):
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVER), str(path), str(int(map_size)), "w" if write else "r",
-             "1" if sync else "0", str(os.getpid())],
+             "1" if sync else "0", str(os.getpid()), "1" if write and writemap else "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
         try:
             self._call(None, b"", timeout=START_TIMEOUT)

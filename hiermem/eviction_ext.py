@@ -96,6 +96,7 @@ class Lookahead(LRU):
 
     name = "lookahead"
     wants_lookahead = True
+    incremental = False  # on_lookahead rewrites every key
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu", window: int = 0):
         super().__init__(capacity, device)

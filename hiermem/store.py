@@ -402,9 +402,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         mclock, mcount = clock[mi].cpu(), b.counts[mi].cpu()
         hs = g[mi].cpu() - host.base
         m_host = hs >= 0
-        # whole-tier scans for victims only when free slots do not suffice
-        ev_d = None if M <= dev.nfree else dev.evictable(dev.slot_mask(hit_slots))
-        n_move = M if ev_d is None else min(M, dev.nfree + int(ev_d.sum()))
+        # victims only when free slots do not suffice (the policy's reservoir: no tier scans)
+        ev_d = None if M <= dev.nfree else dev.candidates(hit_slots)
+        n_move = M if ev_d is None else min(M, dev.nfree + ev_d.count)
         m_move = torch.arange(M) < n_move
         A, B = m_move & m_host, m_move & ~m_host  # host->device, disk->device
         C, E = ~m_move & m_host, ~m_move & ~m_host  # stay in host, disk->host
@@ -413,8 +413,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         if n_vd + nE <= host.nfree + nA:
             ev_h, room_h = None, host.nfree + nA - nE
         else:
-            ev_h = host.evictable(host.slot_mask(hs[m_host]))
-            room_h = host.nfree + nA + int(ev_h.sum()) - nE
+            ev_h = host.candidates(hs[m_host])
+            room_h = host.nfree + nA + ev_h.count - nE
         if room_h < 0:
             raise CapacityError(f"batch needs {M + hit_slots.numel()} rows resident at once; device ({dev.capacity}) "
                                 f"and host ({host.capacity}) tiers cannot hold them with their pinned rows")
@@ -794,6 +794,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 assert not bool(tier.pins[tier.keys_t < 0].any()), f"{tier.tier.label}: pinned free slot"
                 assert bool((tier.pins >= 0).all()), f"{tier.tier.label}: negative pin count"
                 assert tier.pinned == int((tier.pins > 0).sum()), f"{tier.tier.label}: pinned-slot count is off"
+                tier.policy.check_reservoir(tier.keys_t >= 0)
                 ts.append(tier.keys_t[occ].to(self.device))
                 ks.append(tier.keys_k[occ].to(self.device))
                 gs.append(tier.g(occ))

@@ -73,6 +73,12 @@ class SlotTier:
         """Global slot numbers (on the index's device)."""
         return slots.to(self.index.device) + self.base
 
+    def candidates(self, exclude: torch.Tensor) -> "TierEvictable":
+        """What may be evicted now: occupied, unpinned slots not in ``exclude`` (distinct
+        occupied slots, the batch's own rows), answered per slot without a pass over the
+        tier (an :class:`~hiermem.eviction.Evictable`)."""
+        return TierEvictable(self, exclude)
+
     def evictable(self, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """Occupied, unpinned slots not in ``exclude`` (a bool mask per slot)."""
         m = (self.keys_t >= 0) & (self.pins == 0)
@@ -156,3 +162,26 @@ class SlotTier:
 
     def nbytes(self) -> int:
         return self.data.numel() * 4 + self.capacity * 21
+
+
+class TierEvictable:
+    """:meth:`SlotTier.candidates`: the tier's evictable slots, per slot and counted."""
+
+    def __init__(self, tier: SlotTier, exclude: torch.Tensor):
+        self.tier, self.exclude = tier, exclude
+        held = tier._npinned + (tier.pins.index_select(0, exclude) == 0).sum()
+        self.held = int(held)
+        self.count = tier.occupancy - self.held
+
+    def at(self, slots: torch.Tensor) -> torch.Tensor:
+        t = self.tier
+        ok = (t.keys_t.index_select(0, slots) >= 0) & (t.pins.index_select(0, slots) == 0)
+        if self.exclude.numel():
+            ok &= ~torch.isin(slots, self.exclude)
+        return ok
+
+    def occupied(self) -> torch.Tensor:
+        return self.tier.keys_t >= 0
+
+    def mask(self) -> torch.Tensor:
+        return self.tier.evictable(self.tier.slot_mask(self.exclude))

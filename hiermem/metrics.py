@@ -97,6 +97,8 @@ class _Snap:
     disk_bytes: int
     map_size: int
     hists: dict[str, Histogram]
+    disk_io: dict[str, int]  # read-ahead, write-behind queue, I/O processes, writemap
+    reservoir_builds: dict[str, int]  # per tier label
 
 
 def snapshot(store) -> _Snap | None:
@@ -115,10 +117,14 @@ def snapshot(store) -> _Snap | None:
         disk = store._disk
         info, psize = disk.env.info(), disk.env.stat()["psize"]
         lmdb_read, lmdb_write = disk.durations()
+        disk_io = {"read_ahead_rows": disk.ahead_rows, "read_ahead_hits": disk.ahead_hits,
+                   "write_queue_rows": disk.queued, "io_processes": disk.io_processes,
+                   "io_failures": disk.io_failures, "writemap": int(disk.writemap)}
         return _Snap([s.name for s in store.tables], store.policy.name, c.table.clone(), c.io.clone(), tiers,
                      disk.count(), (info["last_pgno"] + 1) * psize, disk.map_size,
                      {"lookup": c.lookup_seconds.copy(), "update": c.update_seconds.copy(),
-                      "lmdb_read": lmdb_read, "lmdb_write": lmdb_write})
+                      "lmdb_read": lmdb_read, "lmdb_write": lmdb_write}, disk_io,
+                     {t.tier.label: t.policy.reservoir_builds for t in (store._dev, store._host)})
 
 
 # (IO counter, metric name, help); the bytes counters are one family per tier pair
@@ -143,6 +149,19 @@ _IO_COUNTERS = (
      "Prefetch requests not held entirely on the device tier (refused, or spilled to host)."),
     (IO.PREFETCH_REVOKED, "hiermem_prefetch_revoked_total",
      "Prefetches unpinned early because a batch that was not prefetched needed the room."),
+)
+# (key of _Snap.disk_io, metric name, help, counter?)
+_DISK_IO = (
+    ("read_ahead_rows", "hiermem_disk_read_ahead_rows_total",
+     "LMDB records read ahead of their batch (outside the store's lock) and kept.", True),
+    ("read_ahead_hits", "hiermem_disk_read_ahead_hits_total",
+     "Disk reads served from read-ahead records (the rest read LMDB in the step).", True),
+    ("io_failures", "hiermem_disk_io_failures_total",
+     "LMDB I/O child processes that failed to start or died (their work was redone in-process).", True),
+    ("write_queue_rows", "hiermem_disk_write_queue_rows",
+     "Rows in write-backs queued for the writer (write_behind), not yet committed.", False),
+    ("io_processes", "hiermem_disk_io_processes", "LMDB I/O child processes running now.", False),
+    ("writemap", "hiermem_disk_writemap", "1 when LMDB commits through its preallocated map.", False),
 )
 _STAT_COUNTERS = (
     (Stat.LOOKUPS, "hiermem_lookups_total",
@@ -199,6 +218,18 @@ class StoreCollector(Collector):
             for name, s in snaps:
                 fam.add_metric([name], int(s.io[what]))
             yield fam
+        for key, mname, doc, counter in _DISK_IO:
+            fam = (CounterMetricFamily if counter else GaugeMetricFamily)(mname, doc, labels=["store"])
+            for name, s in snaps:
+                fam.add_metric([name], s.disk_io[key])
+            yield fam
+        fam = CounterMetricFamily("hiermem_victim_reservoir_builds_total",
+                                  "Passes over the tier to rebuild its eviction policy's victim reservoir.",
+                                  labels=["store", "tier"])
+        for name, s in snaps:
+            for tier, n in s.reservoir_builds.items():
+                fam.add_metric([name, tier], n)
+        yield fam
         yield from self._gauges(snaps)
         for key, mname, doc in _HISTOGRAMS:
             for name, s in snaps:

@@ -392,3 +392,42 @@ def test_real_prometheus_evaluates_every_dashboard_expression(tmp_path):
         trainer.join(10)
         server.shutdown()
         s.close()
+
+
+def test_disk_io_metrics_follow_the_store(tmp_path):
+    """Read-ahead (the pipeline's), the writer's queue and I/O processes, writemap and
+    reservoir rebuilds are exported as the store counts them."""
+    tables = [hm.TableSpec("t", 50_000, 4)]
+    s = hm.HierarchicalStore(tables, hm.StoreConfig(path=tmp_path / "s", device_rows=64, host_rows=256,
+                                                    write_behind=True, optimizer=hm.SGD(lr=0.1)))
+    emb = hm.CachedEmbeddingBagCollection(tables, store=s)
+    reg = collector_registry(s)
+    g = torch.Generator().manual_seed(0)
+
+    def batches():
+        for _ in range(12):
+            yield hm.SparseFeatures(("t",), torch.randint(0, 600, (40,), generator=g), torch.full((10,), 4))
+    try:
+        with torch.no_grad():
+            for f in batches():  # rows written to LMDB, to be read ahead below
+                emb.store.update("t", f.values, torch.ones(40, 4))
+        with hm.PrefetchPipeline(batches(), emb, depth=2) as it:
+            for f in it:
+                emb(f).sum().backward()
+        st = s.stats()["_store"]
+
+        def v(name, **labels):
+            return reg.get_sample_value(name, {"store": "s", **labels})
+        assert st["disk_read_ahead_rows"] > 0 and st["disk_read_ahead_hits"] > 0
+        assert v("hiermem_disk_read_ahead_rows_total") == st["disk_read_ahead_rows"]
+        assert v("hiermem_disk_read_ahead_hits_total") == st["disk_read_ahead_hits"]
+        assert v("hiermem_disk_write_queue_rows") == st["disk_write_queue_rows"]
+        assert v("hiermem_disk_io_processes") == st["disk_io_processes"]
+        assert v("hiermem_disk_io_failures_total") == st["disk_io_failures"] == 0
+        assert v("hiermem_disk_writemap") == int(st["disk_writemap"])
+        for tier in ("device", "host"):
+            assert v("hiermem_victim_reservoir_builds_total", tier=tier) == 0  # tiers this small are scanned
+        s.flush()
+        assert v("hiermem_disk_write_queue_rows") == 0
+    finally:
+        s.close()

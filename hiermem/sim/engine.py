@@ -276,6 +276,11 @@ class _Ticket:
     released: bool = False
 
 
+def _count(ev) -> int:
+    """Evictable slots of a mask or an :class:`~hiermem.eviction.Evictable`."""
+    return int(ev.sum()) if isinstance(ev, torch.Tensor) else ev.count
+
+
 class Simulator:
     """Replay a trace through a device tier, a host tier and a written-rows bitmap.
 
@@ -317,10 +322,13 @@ class Simulator:
         n = k.numel()
         return Rows(t, k, torch.empty((n, 0)), torch.zeros(n, dtype=torch.bool))
 
-    def _evictable(self, tier: SlotTier, exclude: torch.Tensor) -> torch.Tensor:
+    def _evictable(self, tier: SlotTier, exclude: torch.Tensor):
+        """What ``tier`` may evict: per slot (the policy's reservoir, no pass over the
+        tier) while no row is pinned, else as a mask over the tier."""
+        if not self._pinned_rows:
+            return tier.candidates(exclude)
         m = tier.keys_t >= 0
-        if self._pinned_rows:
-            m &= self._pins.index_select(0, tier.keys_k) == 0
+        m &= self._pins.index_select(0, tier.keys_k) == 0
         m[exclude] = False
         return m
 
@@ -361,7 +369,7 @@ class Simulator:
         hs = g[mi] - host.base
         m_host = hs >= 0
         ev_d = None if M <= dev.nfree else self._evictable(dev, hit_slots)
-        n_move = M if ev_d is None else min(M, dev.nfree + int(ev_d.sum()))
+        n_move = M if ev_d is None else min(M, dev.nfree + _count(ev_d))
         m_move = torch.arange(M) < n_move
         A, B = m_move & m_host, m_move & ~m_host
         C, E = ~m_move & m_host, ~m_move & ~m_host
@@ -371,7 +379,7 @@ class Simulator:
             ev_h, room_h = None, host.nfree + nA - nE
         else:
             ev_h = self._evictable(host, hs[m_host])
-            room_h = host.nfree + nA + int(ev_h.sum()) - nE
+            room_h = host.nfree + nA + _count(ev_h) - nE
         if room_h < 0:
             raise CapacityError(f"batch needs {M + hit_slots.numel()} rows resident at once; device ({dev.capacity}) "
                                 f"and host ({host.capacity}) tiers cannot hold them with their pinned rows")

@@ -124,6 +124,10 @@ class EvictionPolicy(ABC):
     incremental: ClassVar[bool] = False
     #: a reservoir rebuild keeps about this fraction of the occupied slots
     RESERVOIR_FRACTION: ClassVar[int] = 8
+    #: pending entries (keys set at or below the threshold since the build) beyond which,
+    #: and beyond 4x the victims asked for, they are sorted into the reservoir
+    PENDING_MERGE: ClassVar[int] = 1 << 16
+    merges = 0
 
     def _reset_reservoir(self) -> None:
         self._tau = None  # no reservoir: the next victims() call builds one
@@ -142,6 +146,8 @@ class EvictionPolicy(ABC):
             if s.numel():
                 self._pend.append((s, k))
                 self._npend += s.numel()
+                if self._npend > max(1 << 16, self.capacity // 4):  # no evictions for long: let it go
+                    self._tau, self._res_s, self._res_k, self._pend, self._npend = None, None, None, [], 0
 
     @abstractmethod
     def on_access(self, slots: torch.Tensor, clock: torch.Tensor, counts: torch.Tensor) -> None:
@@ -191,8 +197,8 @@ class EvictionPolicy(ABC):
             self._tau = None
             cand = ev.mask().nonzero().squeeze(1)
             return smallest(cand, self.key.index_select(0, cand), n, distinct_sorted=True)
-        if self._tau is not None and self._npend > max(1 << 16, 4 * n):
-            self._tau = None  # too many entries outside the sorted part: start afresh
+        if self._tau is not None and self._npend > max(self.PENDING_MERGE, 4 * n):
+            self._merge_pending()  # too many entries outside the sorted part
         for _attempt in range(2):
             if self._tau is None:
                 self._build(r, ev)
@@ -216,6 +222,19 @@ class EvictionPolicy(ABC):
         self._res_s, self._res_k = cand.index_select(0, o), keys.index_select(0, o)
         self._pos, self._pend, self._npend, self._tau = 0, [], 0, tau
         self.reservoir_builds += 1
+
+    def _merge_pending(self) -> None:
+        """Sort the current pending entries into the reservoir's sorted part."""
+        ps = torch.cat([self._res_s[self._pos:]] + [s for s, _ in self._pend])
+        pk = torch.cat([self._res_k[self._pos:]] + [k for _, k in self._pend])
+        cur = self.key.index_select(0, ps) == pk
+        ps, pk = ps[cur], pk[cur]
+        o = torch.sort(ps, stable=True).indices
+        ps, pk = ps.index_select(0, o), pk.index_select(0, o)
+        o = torch.sort(pk, stable=True).indices
+        self._res_s, self._res_k = ps.index_select(0, o), pk.index_select(0, o)
+        self._pos, self._pend, self._npend = 0, [], 0
+        self.merges += 1
 
     def _from_reservoir(self, n: int, ev: "Evictable") -> torch.Tensor | None:
         """The exact victims from the reservoir, or None when it holds too few."""

@@ -46,12 +46,15 @@ class Tier:
         return m
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("carried", [50, 3000], ids=["few-carry-ins", "many-carry-ins-merged"])
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("name", ["lru", "lfu"])
-def test_reservoir_victims_equal_a_full_scan(name, seed):
+def test_reservoir_victims_equal_a_full_scan(name, seed, carried):
     cap = 40_000
     g = torch.Generator().manual_seed(seed)
     p = POLICIES[name](cap, "cpu")
+    if carried > 50:
+        p.PENDING_MERGE = 0  # pending entries sorted into the reservoir as soon as they exceed 4n
     ref = POLICIES[name](cap, "cpu")
     ref.incremental = False  # the full scan, for the same keys
     tier = Tier(cap)
@@ -79,7 +82,7 @@ def test_reservoir_victims_equal_a_full_scan(name, seed):
              torch.randint(1, 4, (hit.numel(),), generator=g))
         clock += hit.numel()
         if step % 4 == 1:  # rows carried in from another tier with old keys (below tau)
-            old = occ[torch.randint(0, occ.numel(), (50,), generator=g)].unique()
+            old = occ[torch.randint(0, occ.numel(), (carried,), generator=g)].unique()
             both("on_carry_in", old, torch.randint(0, max(1, clock // 50), (old.numel(),), generator=g))
         tier.pins[:] = 0
         tier.pins[occ[torch.randint(0, occ.numel(), (200,), generator=g)]] = 1
@@ -105,6 +108,8 @@ def test_reservoir_victims_equal_a_full_scan(name, seed):
         p.check_reservoir(tier.occ)
     assert used_reservoir >= 50  # the path under test answered (not the scan fallback)
     assert p.reservoir_builds < 30
+    if carried > 50:
+        assert p.merges >= 3
 
 
 def test_smallest_breaks_ties_by_slot_and_counts_duplicates_once():

@@ -84,24 +84,6 @@ def smallest(slots: torch.Tensor, keys: torch.Tensor, n: int, distinct_sorted: b
     return slots.index_select(0, o)
 
 
-class _FullMask:
-    """An :class:`Evictable` from a bool mask over the tier (the simulator, tests)."""
-
-    def __init__(self, m: torch.Tensor):
-        self._m = m
-        self.count = int(m.sum())
-        self.held = 0
-
-    def at(self, slots):
-        return self._m.index_select(0, slots)
-
-    def occupied(self):
-        return self._m
-
-    def mask(self):
-        return self._m
-
-
 class EvictionPolicy(ABC):
     """Scores the slots of one tier.
 
@@ -127,15 +109,27 @@ class EvictionPolicy(ABC):
     #: pending entries (keys set at or below the threshold since the build) beyond which,
     #: and beyond 4x the victims asked for, they are sorted into the reservoir
     PENDING_MERGE: ClassVar[int] = 1 << 16
-    merges = 0
 
     def _reset_reservoir(self) -> None:
+        self._drop_reservoir()
+        self.reservoir_builds = 0
+        self.merges = 0
+
+    def _drop_reservoir(self) -> None:
         self._tau = None  # no reservoir: the next victims() call builds one
         self._res_s = self._res_k = None
         self._pos = 0
         self._pend: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._npend = 0
-        self.reservoir_builds = 0
+
+    def _pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending entries, concatenated."""
+        return torch.cat([s for s, _ in self._pend]), torch.cat([k for _, k in self._pend])
+
+    def _current(self, slots: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries whose key is still the slot's key."""
+        m = self.key.index_select(0, slots) == keys
+        return slots[m], keys[m]
 
     def _set_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Set the keys of ``slots`` (keeping the reservoir's invariant)."""
@@ -147,7 +141,7 @@ class EvictionPolicy(ABC):
                 self._pend.append((s, k))
                 self._npend += s.numel()
                 if self._npend > max(1 << 16, self.capacity // 4):  # no evictions for long: let it go
-                    self._tau, self._res_s, self._res_k, self._pend, self._npend = None, None, None, [], 0
+                    self._drop_reservoir()
 
     @abstractmethod
     def on_access(self, slots: torch.Tensor, clock: torch.Tensor, counts: torch.Tensor) -> None:
@@ -188,15 +182,14 @@ class EvictionPolicy(ABC):
         """
         if n <= 0:
             return torch.empty(0, dtype=torch.int64, device=self.key.device)
-        ev = _FullMask(evictable) if isinstance(evictable, torch.Tensor) else evictable
+        if isinstance(evictable, torch.Tensor):
+            return self._scan(n, evictable)
+        ev = evictable
         if ev.count < n:
             raise InvalidArgumentError(f"need {n} victims, only {ev.count} evictable")
         r = max(8 * n, (ev.count + ev.held) // self.RESERVOIR_FRACTION, 4096) + ev.held
-        if not self.incremental or isinstance(evictable, torch.Tensor) or r >= ev.count + ev.held:
-            # a pass over the tier (a reservoir would hold about every slot anyway)
-            self._tau = None
-            cand = ev.mask().nonzero().squeeze(1)
-            return smallest(cand, self.key.index_select(0, cand), n, distinct_sorted=True)
+        if not self.incremental or r >= ev.count + ev.held:  # a reservoir would hold about every slot
+            return self._scan(n, ev.mask())
         if self._tau is not None and self._npend > max(self.PENDING_MERGE, 4 * n):
             self._merge_pending()  # too many entries outside the sorted part
         for _attempt in range(2):
@@ -205,8 +198,16 @@ class EvictionPolicy(ABC):
             v = self._from_reservoir(n, ev)
             if v is not None:
                 return v
-            self._tau = None
+            self._drop_reservoir()
         raise AssertionError("a fresh reservoir holds every evictable slot's key it needs")
+
+    def _scan(self, n: int, mask: torch.Tensor) -> torch.Tensor:
+        """Victims by a pass over the tier (``mask``: evictable slots)."""
+        self._drop_reservoir()
+        cand = mask.nonzero().squeeze(1)
+        if cand.numel() < n:
+            raise InvalidArgumentError(f"need {n} victims, only {cand.numel()} evictable")
+        return smallest(cand, self.key.index_select(0, cand), n, distinct_sorted=True)
 
     def _build(self, r: int, ev: "Evictable") -> None:
         """A reservoir of the ``r`` occupied slots of smallest key (and their ties)."""
@@ -225,10 +226,8 @@ class EvictionPolicy(ABC):
 
     def _merge_pending(self) -> None:
         """Sort the current pending entries into the reservoir's sorted part."""
-        ps = torch.cat([self._res_s[self._pos:]] + [s for s, _ in self._pend])
-        pk = torch.cat([self._res_k[self._pos:]] + [k for _, k in self._pend])
-        cur = self.key.index_select(0, ps) == pk
-        ps, pk = ps[cur], pk[cur]
+        ps, pk = self._pending()
+        ps, pk = self._current(torch.cat((self._res_s[self._pos:], ps)), torch.cat((self._res_k[self._pos:], pk)))
         o = torch.sort(ps, stable=True).indices
         ps, pk = ps.index_select(0, o), pk.index_select(0, o)
         o = torch.sort(pk, stable=True).indices
@@ -239,10 +238,7 @@ class EvictionPolicy(ABC):
     def _from_reservoir(self, n: int, ev: "Evictable") -> torch.Tensor | None:
         """The exact victims from the reservoir, or None when it holds too few."""
         if self._pend:  # keep the pending entries that are still current
-            ps = torch.cat([s for s, _ in self._pend])
-            pk = torch.cat([k for _, k in self._pend])
-            cur = self.key.index_select(0, ps) == pk
-            ps, pk = ps[cur], pk[cur]
+            ps, pk = self._current(*self._pending())
             self._pend, self._npend = ([(ps, pk)] if ps.numel() else []), ps.numel()
         else:
             ps, pk = self._res_s[:0], self._res_k[:0]
@@ -279,9 +275,9 @@ class EvictionPolicy(ABC):
         if self._tau is None:
             return
         need = (occupied & (self.key <= self._tau)).nonzero().squeeze(1)
-        ent_s = torch.cat([self._res_s[self._pos:]] + [s for s, _ in self._pend])
-        ent_k = torch.cat([self._res_k[self._pos:]] + [k for _, k in self._pend])
-        cur = ent_s[self.key.index_select(0, ent_s) == ent_k]
+        cur, _ = self._current(self._res_s[self._pos:], self._res_k[self._pos:])
+        if self._pend:
+            cur = torch.cat((cur, self._current(*self._pending())[0]))
         missing = need[~torch.isin(need, cur)]
         assert missing.numel() == 0, f"{self.name}: slots {missing[:8].tolist()} with keys <= tau not in the reservoir"
 

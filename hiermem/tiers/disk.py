@@ -119,6 +119,10 @@ def filesystem_type(path: str | os.PathLike) -> str | None:
     return fstype
 
 
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
 def writemap_safe(path: str | os.PathLike) -> bool:
     """Whether a preallocated LMDB map at ``path`` can be written in place safely."""
     return hasattr(os, "posix_fallocate") and filesystem_type(path) in PREALLOCATING_FILESYSTEMS
@@ -262,8 +266,8 @@ class DiskTier:
         if writemap or (writemap is None and writemap_safe(self.path)):
             try:
                 self._open_writemap(map_size, sync)
-            except DiskFullError:
-                if writemap:
+            except HierMemError as e:  # the default does without it when there is no room for the map
+                if writemap or not isinstance(e, DiskFullError):
                     self.env.close()
                     raise
         self.map_size = self.env.info()["map_size"]
@@ -300,8 +304,8 @@ class DiskTier:
         in full; on DiskFullError the environment stays open as it was."""
         info, psize = self.env.info(), self.env.stat()["psize"]
         used = (info["last_pgno"] + 1) * psize
-        size = max((self.path / "data.mdb").stat().st_size, min(map_size, max(WRITEMAP_INITIAL, 2 * used)))
-        size = -(-size // (1 << 20)) << 20
+        size = _round_up(max((self.path / "data.mdb").stat().st_size,
+                             min(map_size, max(WRITEMAP_INITIAL, 2 * used))), 1 << 20)
         self._preallocate(size)
         self.env.close()
         for wm in (True, False):  # should the reopen fail, back to the plain environment
@@ -346,7 +350,7 @@ class DiskTier:
             self._preallocate(self.map_size * 2)
             return self.map_size * 2
         except DiskFullError:
-            size = -(-(self.map_size + max(1 << 16, self.map_size // 8)) // (1 << 16)) << 16
+            size = _round_up(self.map_size + max(1 << 16, self.map_size // 8), 1 << 16)
             self._preallocate(size)
             return size
 

@@ -174,7 +174,7 @@ class BatchedOps:
         """Placement of resident rows without moving anything (None if one is not resident)."""
         from .store import Placement
 
-        g = self._keys.find(b.t, b.k)
+        g = self._keys.find(b.t, b.k).to(self.device)
         if bool((g < 0).any()):
             return None
         D = self._dev.capacity
@@ -237,7 +237,7 @@ class BatchedOps:
         g = self._keys.find(t, k)
         D = self._dev.capacity
         self._dev.policy.on_lookahead(g[(g >= 0) & (g < D)])
-        self._host.policy.on_lookahead((g[g >= D] - D).to(self._host.device))
+        self._host.policy.on_lookahead(g[g >= D] - D)
 
     # -- prefetch and pins -------------------------------------------------------------
     def read_ahead(self, tables: torch.Tensor, ids: torch.Tensor, keep: int | None = None) -> int:
@@ -256,7 +256,7 @@ class BatchedOps:
             return 0
         with self._lock:
             self._check_open()
-            miss = self._keys.find(b.t, b.k) < 0
+            miss = (self._keys.find(b.t, b.k) < 0).to(self.device)
             if not bool(miss.any()):
                 return 0
             mt, mk = b.t[miss].cpu(), b.k[miss].cpu()
@@ -339,7 +339,7 @@ class BatchedOps:
         D = self._dev.capacity
         on_dev = g < D
         self._dev.pin(g[on_dev], -1)
-        self._host.pin((g[~on_dev] - D).to(self._host.device), -1)
+        self._host.pin(g[~on_dev] - D, -1)
 
     def revoke_prefetches(self) -> int:
         """Unpin every outstanding prefetch (their batches are then looked up as if not
@@ -575,6 +575,6 @@ class BatchedOps:
                     slots, gi = slots[si.to(slots.device)], gi[si]
                 gi = gi[:, :dim].to(tier.device)
                 self.optimizer.apply_slots(tier.data, slots, gi, dim, width, step)
-                tier.dirty[slots] = True
+                tier.dirty[slots.cpu()] = True
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())

@@ -211,7 +211,9 @@ class Checkpointing:
                 occ = tier.occupied()
                 if bool((tier.pins[occ] > 0).any()):
                     raise HierMemError("cannot clear a store with pinned rows (a prefetch is in flight)")
-                tier.take(occ, with_records=False)
+            for tier in (self._dev, self._host):
+                self._keys.remove_slots(tier.g(tier.occupied()))
+                tier.clear()
             self._epoch += 1
             self._memo = self._multi_memo = None
             self._disk.clear_rows(meta=self._meta())

@@ -14,10 +14,9 @@ import math
 
 import torch
 
+from .core import policy as _pk
 from .errors import InvalidArgumentError, InvalidTypeError
-from .eviction import LRU, EvictionPolicy, register_policy
-
-_PROBATION = float(2 ** 41)  # below any log2 score: clock / half_life < 2**40 for any clock we reach
+from .eviction import EvictionPolicy, register_policy
 
 
 def _number(name: str, v, lo: float, integer: bool = False):
@@ -44,47 +43,24 @@ class LFUDecay(EvictionPolicy):
     """
 
     name = "lfu_decay"
+    code = _pk.LFU_DECAY
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu", half_life: float = 100_000.0,
                  admit: int = 1):
-        super().__init__(capacity, device)
         self.half_life = float(_number("half_life", half_life, 1e-9))
         self.admit = int(_number("admit", admit, 1, integer=True))
-        self.score = torch.zeros(self.capacity, dtype=torch.float64, device=device)
-        self.uses = torch.zeros(self.capacity, dtype=torch.int64, device=device)
-        self.key = torch.zeros(self.capacity, dtype=torch.float64, device=device)
+        super().__init__(capacity, device)
 
-    def _rekey(self, slots: torch.Tensor) -> None:
-        s = self.score.index_select(0, slots)
-        self.key[slots] = torch.where(self.uses.index_select(0, slots) < self.admit, s - _PROBATION, s)
+    def _params(self) -> list[float]:
+        return [float(self.code), self.half_life, float(self.admit), 0.0]
 
-    def _log_weight(self, clock: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return torch.log2(counts.to(torch.float64)) + clock.to(torch.float64) / self.half_life
-
-    def on_access(self, slots, clock, counts):
-        self.score[slots] = torch.logaddexp2(self.score.index_select(0, slots), self._log_weight(clock, counts))
-        self.uses[slots] += counts
-        self._rekey(slots)
-
-    def on_insert(self, slots, clock, counts):
-        self.score[slots] = self._log_weight(clock, counts)
-        self.uses[slots] = counts
-        self._rekey(slots)
-
-    def carry(self, slots):
-        return torch.stack((self.score.index_select(0, slots), self.uses.index_select(0, slots).to(torch.float64)), 1)
-
-    def on_carry_in(self, slots, carried):
-        self.score[slots] = carried[:, 0]
-        self.uses[slots] = carried[:, 1].to(torch.int64)
-        self._rekey(slots)
-
-
-_SOON = 1 << 62  # key bit of rows needed by the next batches: evicted after all others
+    @property
+    def score(self) -> torch.Tensor:
+        return torch.from_numpy(self._score)
 
 
 @register_policy
-class Lookahead(LRU):
+class Lookahead(EvictionPolicy):
     """Evict first the rows not used by the next ``window`` batches, LRU among equals.
 
     The key is ``last_clock | SOON`` where ``SOON`` (bit 62) marks the slots named by the
@@ -95,16 +71,9 @@ class Lookahead(LRU):
     """
 
     name = "lookahead"
+    code = _pk.LOOKAHEAD
     wants_lookahead = True
-    incremental = False  # on_lookahead rewrites every key
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu", window: int = 0):
-        super().__init__(capacity, device)
         self.window = int(_number("window", window, 0, integer=True))
-
-    def on_access(self, slots, clock, counts):
-        self.key[slots] = clock | (self.key.index_select(0, slots) & _SOON)
-
-    def on_lookahead(self, slots: torch.Tensor) -> None:
-        self.key &= _SOON - 1
-        self.key[slots] |= _SOON
+        super().__init__(capacity, device)

@@ -33,7 +33,8 @@ from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidI
                      UnknownTableError)
 from .eviction import resolve_policy
 from .hashing import mix_scalar, uniform_rows
-from .index import make_index
+from .core import plan as _plan
+from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
 from .batched import BatchedOps
 from .checkpoint import Checkpointing
@@ -175,11 +176,11 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             self._release_path(unlink=self._made_lock)
             raise
         cuda = torch.cuda.is_available()
-        self._keys = make_index(config.device_rows + config.host_rows, [s.num_rows for s in tables], self.device)
-        self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy,
-                             self._keys, base=0)
+        self._keys = make_index(config.device_rows + config.host_rows, [s.num_rows for s in tables])
+        self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy, base=0)
         self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
-                              self._keys, base=config.device_rows, pin_memory=cuda)
+                              base=config.device_rows, pin_memory=cuda)
+        self._ws = _plan.workspace(1024)
         self.counters = Counters(len(tables))
         self._clock = 0
         self._epoch = 0  # bumped whenever any row changes tier
@@ -382,124 +383,89 @@ class HierarchicalStore(BatchedOps, Checkpointing):
     def _resolve(self, b: Batch, clock: torch.Tensor, account: bool) -> Placement:
         """Make every row of ``b`` resident (device first, host when the device is full).
 
-        All choices and all I/O that can fail (LMDB read, write-back of dirty victims)
-        happen before any tier changes, so an error leaves the store as it was.
+        The control plane decides (:func:`hiermem.core.plan.decide`), then the I/O that may
+        fail runs (LMDB read of the rows from disk, write-back of dirty victims), so an
+        error leaves the store as it was; then the plan is committed and the data plane
+        copies the records it names.
         """
-        dev, host = self._dev, self._host
-        g = self._keys.find(b.t, b.k)
-        in_dev = (g >= 0) & (g < dev.capacity)
-        dslot = torch.where(in_dev, g, -1)
-        hit_slots = dslot[in_dev]
-        mi = (~in_dev).nonzero().squeeze(1)
-        M = mi.numel()
+        bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
+        U = bk.size
+        if self._ws[0].shape[1] < 2 * U:
+            self._ws = _plan.workspace(U)
+        ws, res = self._ws
+        ix, dev, host = self._keys.arrays, self._dev, self._host
+        _plan.decide(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
+        if res[_plan.STATUS] == _plan.CAPACITY:
+            raise CapacityError(f"batch needs {U} rows resident at once; device ({dev.capacity}) and host "
+                                f"({host.capacity}) tiers cannot hold them with their pinned rows")
+        M = int(res[_plan.M])
+        nd = int(res[_plan.N_DISK])
+        rec_disk = None
+        try:
+            if nd:
+                pos = torch.from_numpy(ws[_plan.DISK, :nd].copy())
+                rec_disk, found = self._read(b.t.cpu().index_select(0, pos), b.k.cpu().index_select(0, pos))
+                ws[_plan.FOUND, :nd] = found.numpy()
+            nw = int(res[_plan.N_WB])
+            if nw:
+                self._write_back(ws[_plan.WB, :nw])
+        except BaseException:
+            _plan.abort(dev.policy.state, host.policy.state)
+            raise
+        clock_np = clock.cpu().numpy()
+        counts_np = b.counts.cpu().numpy()
+        _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock_np, counts_np,
+                     account, ws, res, self.counters.table.numpy())
         if M == 0:
-            if account:
-                dev.policy.on_access(hit_slots, clock[in_dev], b.counts[in_dev])
-                self._account_lookups(b, mi)
-            return Placement(None, dslot)
-        # ---- decide (pure) -----------------------------------------------------
-        mt, mk = b.t[mi].cpu(), b.k[mi].cpu()
-        mclock, mcount = clock[mi].cpu(), b.counts[mi].cpu()
-        hs = g[mi].cpu() - host.base
-        m_host = hs >= 0
-        # victims only when free slots do not suffice (the policy's reservoir: no tier scans)
-        ev_d = None if M <= dev.nfree else dev.candidates(hit_slots)
-        n_move = M if ev_d is None else min(M, dev.nfree + ev_d.count)
-        m_move = torch.arange(M) < n_move
-        A, B = m_move & m_host, m_move & ~m_host  # host->device, disk->device
-        C, E = ~m_move & m_host, ~m_move & ~m_host  # stay in host, disk->host
-        n_vd = max(0, n_move - dev.nfree)
-        nA, nE = int(A.sum()), int(E.sum())
-        if n_vd + nE <= host.nfree + nA:
-            ev_h, room_h = None, host.nfree + nA - nE
-        else:
-            ev_h = host.candidates(hs[m_host])
-            room_h = host.nfree + nA + ev_h.count - nE
-        if room_h < 0:
-            raise CapacityError(f"batch needs {M + hit_slots.numel()} rows resident at once; device ({dev.capacity}) "
-                                f"and host ({host.capacity}) tiers cannot hold them with their pinned rows")
-        # device victims go down to host while it has room; the least valuable rest
-        # (victims come sorted by eviction key) go straight to disk
-        vd = dev.policy.victims(n_vd, ev_d) if n_vd else dev.no_slots
-        n_skip = max(0, n_vd - room_h)
-        vd_disk, vd_host = vd[:n_skip], vd[n_skip:]
-        n_vh = max(0, vd_host.numel() + nE - host.nfree - nA)
-        vh = host.policy.victims(n_vh, ev_h) if n_vh else host.no_slots
-        # ---- I/O that may fail ----------------------------------------------
-        ondisk = ~m_host
-        rec_disk, found = self._read(mt[ondisk], mk[ondisk])
-        if account:
-            dev.policy.on_access(hit_slots, clock[in_dev], b.counts[in_dev])
-            self._account_lookups(b, mi)
-            self._account_disk(mt[ondisk], found)
-        vh_dirty = vh[host.dirty[vh]]
-        vdd_dirty = vd_disk[dev.dirty[vd_disk]]
-        if vh_dirty.numel() or vdd_dirty.numel():
-            self._write_down(Rows(torch.cat((host.keys_t[vh_dirty], dev.keys_t[vdd_dirty].cpu())),
-                                  torch.cat((host.keys_k[vh_dirty], dev.keys_k[vdd_dirty].cpu())),
-                                  torch.cat((host.data[vh_dirty], dev.data[vdd_dirty].cpu())),
-                                  torch.ones(vh_dirty.numel() + vdd_dirty.numel(), dtype=torch.bool)))
-        # ---- mutate -------------------------------------------------------------
+            return Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()).to(self.device))
         self._epoch += 1
         self._memo = None
-        for tier, slots in ((host, vh), (dev, vd_disk)):
-            gone = tier.take(slots, with_records=False)
-            self.counters.bump(tier.tier, Stat.EVICTIONS, gone.t)
-            self.counters.bump(tier.tier, Stat.WRITEBACKS, gone.t[gone.dirty])
-        # rows moving between tiers keep their index entries, re-pointed all at once
-        up = host.take(hs[A], unindex=False)
-        down = dev.take(vd_host, unindex=False).to(host.device)
-        self.counters.bump(Tier.DEVICE, Stat.EVICTIONS, down.t)
-        self.counters.bump(Tier.DEVICE, Stat.WRITEBACKS, down.t[down.dirty])
-        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, down.rec.numel() * 4)
-        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (up.rec.numel() + int(B.sum()) * self.width) * 4)
-        dd = self.device
-        iA, iB = A.nonzero().squeeze(1), B.nonzero().squeeze(1)
-        sA = dev.put(up.to(dd), index=False)
-        sD = host.put(down, index=False)
-        self._keys.move_slots(torch.cat((host.g(hs[A]), dev.g(vd_host))), torch.cat((dev.g(sA), host.g(sD))))
-        if account:  # an unaccounted resolve (update without lookup, prefetched batch) moves, never "uses"
-            dev.policy.on_access(sA, mclock[iA].to(dd), mcount[iA].to(dd))
-        slot = dslot.clone()
-        on_device = torch.ones_like(in_dev)
-        slot[mi[iA.to(dd)]] = sA
-        dpos = torch.cumsum(ondisk.long(), 0) - 1  # row of each disk miss in rec_disk
-        sB = dev.put(Rows(mt[iB], mk[iB], rec_disk[dpos[iB]], torch.zeros(iB.numel(), dtype=torch.bool)).to(dd),
-                     mclock[iB].to(dd), mcount[iB].to(dd))
-        slot[mi[iB.to(dd)]] = sB
-        iC, iE = C.nonzero().squeeze(1), E.nonzero().squeeze(1)
-        if iC.numel() or iE.numel():
-            if account:
-                host.policy.on_access(hs[iC], mclock[iC], mcount[iC])
-            sE = host.put(Rows(mt[iE], mk[iE], rec_disk[dpos[iE]], torch.zeros(iE.numel(), dtype=torch.bool)),
-                          mclock[iE], mcount[iE])
-            hidx = torch.cat((iC, iE)).to(dd)
-            slot[mi[hidx]] = torch.cat((hs[iC], sE)).to(dd)
-            on_device[mi[hidx]] = False
-        return Placement(None if bool(on_device.all()) else on_device, slot, in_dev)
+        self._copy_plan(ws, res, rec_disk)
+        slot = torch.from_numpy(ws[_plan.SLOT, :U].copy())
+        ondev = torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
+        was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
+        all_dev = bool(ondev.all())
+        return Placement(None if all_dev else ondev.to(self.device), slot.to(self.device), was_dev.to(self.device))
 
-    def _account_lookups(self, b: Batch, mi: torch.Tensor) -> None:
-        c = self.counters
-        t0 = int(b.t[0]) if b.t.numel() and bool((b.t == b.t[0]).all()) else None
-        if t0 is not None:
-            c.bump(Tier.DEVICE, Stat.LOOKUPS, t0, b.n)
-            c.bump(Tier.DEVICE, Stat.MISSES, t0, mi.numel())
-            c.bump(Tier.DEVICE, Stat.HITS, t0, b.n - mi.numel())
-        else:
-            looked = torch.bincount(b.t.cpu(), weights=b.counts.cpu(), minlength=c.num_tables).long()
-            missed = torch.bincount(b.t[mi].cpu(), minlength=c.num_tables)
-            c.table[:, Tier.DEVICE, Stat.LOOKUPS] += looked
-            c.table[:, Tier.DEVICE, Stat.MISSES] += missed
-            c.table[:, Tier.DEVICE, Stat.HITS] += looked - missed
-        c.bump(Tier.HOST, Stat.LOOKUPS, b.t[mi])
+    def _write_back(self, wb: np.ndarray) -> None:
+        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused."""
+        D = self._dev.capacity
+        on_host = wb >= D
+        parts = []
+        for tier, slots in ((self._host, wb[on_host] - D), (self._dev, wb[~on_host])):
+            if slots.size:
+                s = torch.from_numpy(slots)
+                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s),
+                              tier.data.index_select(0, s.to(tier.device)).cpu()))
+        t, k, rec = (torch.cat([p[i] for p in parts]) for i in range(3))
+        self._write_down(Rows(t, k, rec, torch.ones(t.numel(), dtype=torch.bool)))
 
-    def _account_disk(self, t: torch.Tensor, found: torch.Tensor) -> None:
-        c = self.counters
-        c.bump(Tier.HOST, Stat.MISSES, t)
-        c.table[:, Tier.HOST, Stat.HITS] = c.table[:, Tier.HOST, Stat.LOOKUPS] - c.table[:, Tier.HOST, Stat.MISSES]
-        c.bump(Tier.DISK, Stat.LOOKUPS, t)
-        c.bump(Tier.DISK, Stat.HITS, t[found])
-        c.bump(Tier.DISK, Stat.MISSES, t[~found])
+    def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
+        """The data plane of a committed plan: records host -> device, device -> host
+        (gathered before either side is overwritten), then disk records into place."""
+        dev, host, dd = self._dev, self._host, self.device
+        nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
+        up = down = None
+        if nu:
+            up = host.data.index_select(0, torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())).to(dd, non_blocking=True)
+        if nd:
+            down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
+        if nu:
+            dev.data.index_copy_(0, torch.from_numpy(ws[_plan.UP_DST, :nu].copy()).to(dd), up)
+        if nd:
+            host.data.index_copy_(0, torch.from_numpy(ws[_plan.DN_DST, :nd].copy()), down)
+        w = self.width * 4
+        nb = int(res[_plan.NB])
+        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
+        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
+        if rec_disk is None:
+            return
+        n = rec_disk.shape[0]
+        dst = torch.from_numpy(ws[_plan.NEW_DST, :n].copy())
+        if nb:
+            dev.data.index_copy_(0, dst[:nb].to(dd), rec_disk[:nb].to(dd))
+        if n > nb:
+            host.data.index_copy_(0, dst[nb:] - host.base, rec_disk[nb:])
 
     def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
         if not account:
@@ -543,7 +509,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             r = rec if idx is None else rec.index_select(0, idx).to(tier.device)
             dst = tier.data if w == tier.width else tier.data[:, :w]
             dst.index_copy_(0, slots, r)
-            tier.dirty[slots] = True
+            tier.dirty[slots.cpu()] = True
 
     # -- public API -----------------------------------------------------------------
     @timed("lookup_seconds")
@@ -619,7 +585,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         for tier, slots, idx in self._parts(p):
             gi = g if idx is None else g.index_select(0, idx).to(tier.device)
             self.optimizer.apply_slots(tier.data, slots, gi, dim, self.widths[ti], self._steps[ti])
-            tier.dirty[slots] = True
+            tier.dirty[slots.cpu()] = True
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -665,7 +631,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 si = st if idx is None else st.index_select(0, idx).to(tier.device)
                 self.optimizer.apply_slots_with_row_stat(tier.data, slots, gi, dim, self.widths[ti],
                                                          self._steps[ti], si)
-                tier.dirty[slots] = True
+                tier.dirty[slots.cpu()] = True
             self.counters.add_io(IO.UPDATES, 1)
             self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -795,8 +761,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 assert bool((tier.pins >= 0).all()), f"{tier.tier.label}: negative pin count"
                 assert tier.pinned == int((tier.pins > 0).sum()), f"{tier.tier.label}: pinned-slot count is off"
                 tier.policy.check_reservoir(tier.keys_t >= 0)
-                ts.append(tier.keys_t[occ].to(self.device))
-                ks.append(tier.keys_k[occ].to(self.device))
+                ts.append(tier.keys_t[occ])
+                ks.append(tier.keys_k[occ])
                 gs.append(tier.g(occ))
             t, k, g = torch.cat(ts), torch.cat(ks), torch.cat(gs)
             assert self._keys.size == t.numel(), "index size differs from resident rows"

@@ -154,17 +154,20 @@ def test_prefetch_invariants(tmp_path):
     for policy in ("lru", "lfu", "lookahead"):
         for depth, dev, host in ((1, 200, 300), (3, 400, 600), (2, 60, 60)):
             sim = Simulator(tr, SimConfig(device_rows=dev, host_rows=host, policy=policy, prefetch_depth=depth))
-            for tier in (sim._dev, sim._host):
-                orig = tier.policy.victims
+            orig = sim._resolve
 
-                def checked(n, ev, orig=orig, tier=tier):
-                    v = orig(n, ev)
-                    assert bool((sim._pins[tier.keys_k[v]] == 0).all()), "a pinned row was picked as a victim"
-                    return v
-                tier.policy.victims = checked
+            def checked(*args, orig=orig, sim=sim, **kw):
+                # pinned rows before the placement must all be resident after it
+                held = [(t.keys_t[t.pins > 0].clone(), t.keys_k[t.pins > 0].clone()) for t in (sim._dev, sim._host)]
+                out = orig(*args, **kw)
+                for kt, kk in held:
+                    assert bool((sim._keys.find(kt, kk) >= 0).all()), "a pinned row was picked as a victim"
+                return out
+            sim._resolve = checked
             r = sim.run()
             assert r.tier(hm.Tier.DEVICE)["lookups"] == tr.accesses
-            assert sim._pinned_rows == 0 and int(sim._pins.abs().sum()) == 0
+            pins = int(sim._dev.pins.abs().sum()) + int(sim._host.pins.abs().sum())
+            assert sim._pinned_rows == 0 and pins == 0
             if dev >= 50 * (depth + 1):
                 assert r.degraded == 0
             else:

@@ -43,44 +43,16 @@ import torch
 
 from ..errors import CapacityError, InvalidArgumentError, InvalidTypeError
 from ..eviction import PolicySpec, resolve_policy
+from ..core import plan as _plan
+from ..core.index import KeyIndex
+from ..core.replay import replay
 from ..stats import IO, STAT_TIERS, Counters, Stat
-from ..tiers.slots import Rows, SlotTier
+from ..tiers.slots import SlotTier
 from ..types import Tier
 from .cost import CostModel, StepTime
 from .trace import Trace, load_trace
 
 _CPU = torch.device("cpu")
-
-
-class DenseIndex:
-    """The :class:`~hiermem.index.SlotIndex` interface over dense row numbers ``k``.
-
-    ``loc[k]`` is the global slot of row ``k`` (-1: not resident); ``t`` is ignored
-    because dense numbers are already distinct across tables.
-    """
-
-    def __init__(self, num_rows: int, capacity: int):
-        self.device = _CPU
-        self.loc = torch.full((num_rows,), -1, dtype=torch.int64)
-        self.key_of = torch.zeros(capacity, dtype=torch.int64)
-        self.size = 0
-
-    def find(self, t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return self.loc.index_select(0, k)
-
-    def insert(self, t: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) -> None:
-        self.loc[k] = slots
-        self.key_of[slots] = k
-        self.size += k.numel()
-
-    def remove_slots(self, slots: torch.Tensor) -> None:
-        self.loc[self.key_of.index_select(0, slots)] = -1
-        self.size -= slots.numel()
-
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        ks = self.key_of.index_select(0, src)
-        self.loc[ks] = dst
-        self.key_of[dst] = ks
 
 
 @dataclass(frozen=True)
@@ -181,33 +153,6 @@ class SimResult:
         }
 
 
-class _Tally:
-    """The ``Counters`` bumps of a replay, as plain Python ints while one table is
-    replayed (a tensor op per bump costs more than the bump); copied out at the end."""
-
-    def __init__(self, num_tables: int):
-        self.T = num_tables
-        self.table = np.zeros((num_tables, len(STAT_TIERS), len(Stat)), dtype=np.int64)
-        self.io = [0] * len(IO)
-        self._one = [[0] * len(Stat) for _ in STAT_TIERS] if num_tables == 1 else None
-
-    def add(self, tier: Tier, stat: Stat, t: torch.Tensor, weights: torch.Tensor | None = None) -> None:
-        if self._one is not None:
-            self._one[tier][stat] += t.numel() if weights is None else int(weights.sum())
-        elif t.numel():
-            self.table[:, tier, stat] += torch.bincount(t, weights=weights, minlength=self.T).long().numpy()
-
-    def into(self, c: Counters) -> None:
-        if self._one is not None:
-            self.table[0] = np.array(self._one)
-        t = self.table.copy()
-        t[:, Tier.DEVICE, Stat.HITS] = t[:, Tier.DEVICE, Stat.LOOKUPS] - t[:, Tier.DEVICE, Stat.MISSES]
-        t[:, Tier.HOST, Stat.LOOKUPS] = t[:, Tier.DEVICE, Stat.MISSES]
-        t[:, Tier.HOST, Stat.HITS] = t[:, Tier.HOST, Stat.LOOKUPS] - t[:, Tier.HOST, Stat.MISSES]
-        c.table.copy_(torch.from_numpy(t))
-        c.io.copy_(torch.tensor(self.io, dtype=torch.int64))
-
-
 def _rank(ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Each id's rank among the distinct ids (as ``np.unique``'s inverse), and their number."""
     hi = int(ids.max())
@@ -246,9 +191,14 @@ class _Batches:
         dense, table_of_row = dense_rows(trace)
         self.num_rows = table_of_row.size
         self.table_of_row = torch.from_numpy(table_of_row)
+        sizes = np.bincount(table_of_row, minlength=len(trace.tables)) if table_of_row.size else \
+            np.zeros(len(trace.tables), dtype=np.int64)
+        self.sizes = [int(x) for x in sizes]
+        self.row_base = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         self.dense = torch.from_numpy(dense)
         self.offsets = trace.batch_offsets.tolist()
         self.n = trace.num_batches
+        self.max_batch = int(np.diff(trace.batch_offsets).max()) if self.n else 1
 
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(rows, counts, lastpos, n)`` of batch ``i`` (as ``HierarchicalStore._batch``)."""
@@ -276,11 +226,6 @@ class _Ticket:
     released: bool = False
 
 
-def _count(ev) -> int:
-    """Evictable slots of a mask or an :class:`~hiermem.eviction.Evictable`."""
-    return int(ev.sum()) if isinstance(ev, torch.Tensor) else ev.count
-
-
 class Simulator:
     """Replay a trace through a device tier, a host tier and a written-rows bitmap.
 
@@ -298,15 +243,14 @@ class Simulator:
         self.updates = self.trace.updates if config.updates is None else config.updates
         self.b = _Batches(self.trace)
         D, H = config.device_rows, config.host_rows
-        self._keys = DenseIndex(self.b.num_rows, D + H)
-        self._dev = SlotTier(Tier.DEVICE, D, 0, _CPU, self.spec, self._keys, base=0)
-        self._host = SlotTier(Tier.HOST, H, 0, _CPU, self.spec, self._keys, base=D)
-        self._written = torch.zeros(self.b.num_rows, dtype=torch.bool)  # has an LMDB copy
-        self._pins = torch.zeros(self.b.num_rows, dtype=torch.int32)
-        self._pinned_rows = 0  # distinct rows with a pin
+        self._keys = KeyIndex(D + H, [max(1, n) for n in self.b.sizes] or [1], direct=True)
+        self._dev = SlotTier(Tier.DEVICE, D, 0, _CPU, self.spec, base=0)
+        self._host = SlotTier(Tier.HOST, H, 0, _CPU, self.spec, base=D)
+        self._written = np.zeros(self.b.num_rows, dtype=np.uint8)  # has an LMDB copy
+        self._ws = _plan.workspace(1024)
         self._epoch = 0
         self.counters = Counters(len(self.trace.tables))
-        self._tally = _Tally(len(self.trace.tables))
+        self._io = self.counters.io.numpy()
         self._clock = 0
         self.degraded = 0
         self._window = int(getattr(self._dev.policy, "window", 0) or 0) or config.prefetch_depth
@@ -316,124 +260,50 @@ class Simulator:
         self._soon_in: set[int] = set()  # the batches counted in _soon
 
     # -- the store's rule -------------------------------------------------------------
-    @staticmethod
-    def _new_rows(t: torch.Tensor, k: torch.Tensor) -> Rows:
-        """Clean zero-width rows entering from disk (or the initialiser)."""
-        n = k.numel()
-        return Rows(t, k, torch.empty((n, 0)), torch.zeros(n, dtype=torch.bool))
-
-    def _evictable(self, tier: SlotTier, exclude: torch.Tensor):
-        """What ``tier`` may evict: per slot (the policy's reservoir, no pass over the
-        tier) while no row is pinned, else as a mask over the tier."""
-        if not self._pinned_rows:
-            return tier.candidates(exclude)
-        m = tier.keys_t >= 0
-        m &= self._pins.index_select(0, tier.keys_k) == 0
-        m[exclude] = False
-        return m
-
-    def _account_lookups(self, t: torch.Tensor, counts: torch.Tensor, mi: torch.Tensor) -> None:
-        """Device lookups and misses (hits and host lookups follow from them)."""
-        self._tally.add(Tier.DEVICE, Stat.LOOKUPS, t, counts)
-        self._tally.add(Tier.DEVICE, Stat.MISSES, t[mi])
-
-    def _account_disk(self, t: torch.Tensor, found: torch.Tensor) -> None:
-        """Host misses = disk lookups; disk hits (rows written before) and misses."""
-        c = self._tally
-        c.add(Tier.HOST, Stat.MISSES, t)
-        c.add(Tier.DISK, Stat.LOOKUPS, t)
-        c.add(Tier.DISK, Stat.HITS, t[found])
-        c.add(Tier.DISK, Stat.MISSES, t[~found])
+    def _tk(self, k: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Index keys ``(table, row within the table)`` of dense rows ``k``."""
+        k = k.numpy()
+        t = self.b.table_of_row.numpy()[k]
+        return t, k - self.b.row_base[t]
 
     def _resolve(self, k: torch.Tensor, counts: torch.Tensor, clock: torch.Tensor,
                  account: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``HierarchicalStore._resolve`` over dense rows ``k``: returns ``(slot, on_device)``.
+        """The store's placement kernels over dense rows ``k``, with "written to LMDB" a
+        bit per row: returns ``(slot, on_device)``.
 
         An unaccounted resolve (a prefetched batch's lookup, an update after a tier change)
         moves rows but never "uses" them: moved rows keep their carried policy state.
         """
-        dev, host, row = self._dev, self._host, self.config.row_bytes
-        t = self.b.table_of_row.index_select(0, k)
-        g = self._keys.loc.index_select(0, k)
-        in_dev = (g >= 0) & (g < dev.capacity)
-        dslot = torch.where(in_dev, g, -1)
-        hit_slots = dslot[in_dev]
-        mi = (~in_dev).nonzero().squeeze(1)
-        M = mi.numel()
-        if M == 0:
-            if account:
-                dev.policy.on_access(hit_slots, clock, counts)
-                self._account_lookups(t, counts, mi)
-            return dslot, in_dev
-        mt, mk, mclock, mcount = t[mi], k[mi], clock[mi], counts[mi]
-        hs = g[mi] - host.base
-        m_host = hs >= 0
-        ev_d = None if M <= dev.nfree else self._evictable(dev, hit_slots)
-        n_move = M if ev_d is None else min(M, dev.nfree + _count(ev_d))
-        m_move = torch.arange(M) < n_move
-        A, B = m_move & m_host, m_move & ~m_host
-        C, E = ~m_move & m_host, ~m_move & ~m_host
-        n_vd = max(0, n_move - dev.nfree)
-        nA, nE = int(A.sum()), int(E.sum())
-        if n_vd + nE <= host.nfree + nA:
-            ev_h, room_h = None, host.nfree + nA - nE
-        else:
-            ev_h = self._evictable(host, hs[m_host])
-            room_h = host.nfree + nA + _count(ev_h) - nE
-        if room_h < 0:
-            raise CapacityError(f"batch needs {M + hit_slots.numel()} rows resident at once; device ({dev.capacity}) "
+        dev, host, row, io = self._dev, self._host, self.config.row_bytes, self._io
+        bt, bk = self._tk(k)
+        U = bk.size
+        if self._ws[0].shape[1] < 2 * U:
+            self._ws = _plan.workspace(U)
+        ws, res = self._ws
+        ix = self._keys.arrays
+        _plan.decide(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
+        if res[_plan.STATUS] == _plan.CAPACITY:
+            raise CapacityError(f"batch needs {U} rows resident at once; device ({dev.capacity}) "
                                 f"and host ({host.capacity}) tiers cannot hold them with their pinned rows")
-        vd = dev.policy.victims(n_vd, ev_d) if n_vd else dev.no_slots
-        n_skip = max(0, n_vd - room_h)
-        vd_disk, vd_host = vd[:n_skip], vd[n_skip:]
-        n_vh = max(0, vd_host.numel() + nE - host.nfree - nA)
-        vh = host.policy.victims(n_vh, ev_h) if n_vh else host.no_slots
-        ondisk = ~m_host
-        found = self._written.index_select(0, mk[ondisk])
-        io = self._tally.io
+        nd, nw = int(res[_plan.N_DISK]), int(res[_plan.N_WB])
+        rows = k.numpy()[ws[_plan.DISK, :nd]]
+        found = self._written[rows]
+        ws[_plan.FOUND, :nd] = found
         io[IO.BYTES_DISK_TO_HOST] += int(found.sum()) * row
-        if account:
-            dev.policy.on_access(hit_slots, clock[in_dev], counts[in_dev])
-            self._account_lookups(t, counts, mi)
-            self._account_disk(mt[ondisk], found)
-        self._epoch += 1  # rows change tier from here on (the store's memo epoch)
-        wb = torch.cat((host.keys_k[vh[host.dirty[vh]]], dev.keys_k[vd_disk[dev.dirty[vd_disk]]]))
-        if wb.numel():
-            self._written[wb] = True
-            io[IO.BYTES_HOST_TO_DISK] += wb.numel() * row
-        # ---- mutate (as the store) ----------------------------------------------
-        for tier, slots in ((host, vh), (dev, vd_disk)):
-            gone = tier.take(slots, with_records=False)
-            self._tally.add(tier.tier, Stat.EVICTIONS, gone.t)
-            self._tally.add(tier.tier, Stat.WRITEBACKS, gone.t[gone.dirty])
-        up = host.take(hs[A], unindex=False)  # zero-width records
-        down = dev.take(vd_host, unindex=False)
-        self._tally.add(Tier.DEVICE, Stat.EVICTIONS, down.t)
-        self._tally.add(Tier.DEVICE, Stat.WRITEBACKS, down.t[down.dirty])
-        iA, iB = A.nonzero().squeeze(1), B.nonzero().squeeze(1)
-        io[IO.BYTES_DEVICE_TO_HOST] += len(down) * row
-        io[IO.BYTES_HOST_TO_DEVICE] += (len(up) + iB.numel()) * row
-        sA = dev.put(up, index=False)
-        sD = host.put(down, index=False)
-        self._keys.move_slots(torch.cat((host.g(hs[A]), dev.g(vd_host))), torch.cat((dev.g(sA), host.g(sD))))
-        if account:
-            dev.policy.on_access(sA, mclock[iA], mcount[iA])
-        slot = dslot.clone()
-        on_device = torch.ones_like(in_dev)
-        slot[mi[iA]] = sA
-        sB = dev.put(self._new_rows(mt[iB], mk[iB]),
-                     mclock[iB], mcount[iB])
-        slot[mi[iB]] = sB
-        iC, iE = C.nonzero().squeeze(1), E.nonzero().squeeze(1)
-        if iC.numel() or iE.numel():
-            if account:
-                host.policy.on_access(hs[iC], mclock[iC], mcount[iC])
-            sE = host.put(self._new_rows(mt[iE], mk[iE]),
-                          mclock[iE], mcount[iE])
-            hidx = torch.cat((iC, iE))
-            slot[mi[hidx]] = torch.cat((hs[iC], sE))
-            on_device[mi[hidx]] = False
-        return slot, on_device
+        if nw:
+            g = ws[_plan.WB, :nw]
+            on_host = g >= dev.capacity
+            for tier, s in ((host, g[on_host] - host.base), (dev, g[~on_host])):
+                kt, kk = tier.state[0][s], tier.state[1][s]
+                self._written[self.b.row_base[kt] + kk] = 1
+            io[IO.BYTES_HOST_TO_DISK] += nw * row
+        _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock.numpy(),
+                     counts.numpy(), account, ws, res, self.counters.table.numpy())
+        if res[_plan.M]:
+            self._epoch += 1  # rows changed tier (the store's memo epoch)
+        io[IO.BYTES_DEVICE_TO_HOST] += int(res[_plan.N_DN]) * row
+        io[IO.BYTES_HOST_TO_DEVICE] += int(res[_plan.N_UP] + res[_plan.NB]) * row
+        return torch.from_numpy(ws[_plan.SLOT, :U].copy()), torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
 
     # -- operations ---------------------------------------------------------------------
     def _lookup(self, i: int, batch: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,22 +323,26 @@ class Simulator:
         if self.updates:
             self._dev.dirty[slot[on_dev]] = True
             self._host.dirty[slot[~on_dev]] = True
-            self._tally.io[IO.UPDATES] += 1
-            self._tally.io[IO.UPDATED_ROWS] += slot.numel()
+            self._io[IO.UPDATES] += 1
+            self._io[IO.UPDATED_ROWS] += slot.numel()
+
+    def _find(self, k: torch.Tensor) -> torch.Tensor:
+        return self._keys.find(*self._tk(k))
 
     def _where(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self._keys.loc.index_select(0, k)
+        g = self._find(k)
         assert bool((g >= 0).all()), "a pinned row is not resident"
         on_dev = g < self._dev.capacity
         return torch.where(on_dev, g, g - self._host.base), on_dev
 
     def _pin(self, k: torch.Tensor, delta: int) -> None:
-        if delta > 0:
-            self._pinned_rows += int((self._pins.index_select(0, k) == 0).sum())
-            self._pins[k] += delta
-        else:
-            self._pins[k] += delta
-            self._pinned_rows -= int((self._pins.index_select(0, k) == 0).sum())
+        slot, on_dev = self._where(k)
+        self._dev.pin(slot[on_dev], delta)
+        self._host.pin(slot[~on_dev], delta)
+
+    @property
+    def _pinned_rows(self) -> int:
+        return self._dev.pinned + self._host.pinned
 
     def _mark_lookahead(self, i: int) -> None:
         """Tell the policies which resident rows batches ``i+1 .. i+window`` use."""
@@ -482,28 +356,38 @@ class Simulator:
         self._soon_in = want
         for tier in (self._dev, self._host):
             occ = tier.keys_t >= 0
-            tier.policy.on_lookahead((occ & (soon.index_select(0, tier.keys_k) > 0)).nonzero().squeeze(1))
+            rows = torch.from_numpy(self.b.row_base)[tier.keys_t.clamp(min=0)] + tier.keys_k
+            tier.policy.on_lookahead((occ & (soon.index_select(0, rows) > 0)).nonzero().squeeze(1))
 
     def _run_plain(self) -> None:
-        for i in range(self.b.n):
-            if self.b.offsets[i + 1] > self.b.offsets[i]:
-                self._update(*self._lookup(i))
+        """Every batch in one compiled loop (:func:`hiermem.core.replay.replay`)."""
+        if self._lookahead:  # pragma: no cover - lookahead needs prefetch (k > 0)
+            raise AssertionError("lookahead replays go through _run_prefetch")
+        b, dev, host = self.b, self._dev, self._host
+        out = replay(self._keys.arrays, dev.state, dev.policy.state, host.state, host.policy.state,
+                     b.dense.numpy(), np.asarray(b.offsets, dtype=np.int64), b.table_of_row.numpy(), b.row_base,
+                     self._written, bool(self.updates), self.counters.table.numpy(), self._io,
+                     self.config.row_bytes, *_plan.workspace(b.max_batch), self._clock)
+        if out < 0:
+            i = -1 - out
+            raise CapacityError(f"batch {i} needs more rows resident at once than the device ({dev.capacity}) "
+                                f"and host ({host.capacity}) tiers hold")
+        self._clock = out
 
     def _prefetch(self, j: int) -> _Ticket:
         """``HierarchicalStore.prefetch``: admission, an accounted placement, pins."""
         batch = self.b.get(j)
         k, _, _, n = batch
-        io, U = self._tally.io, k.numel()
+        io, U = self._io, k.numel()
         if n == 0:
             return _Ticket(batch, True, True)
         io[IO.PREFETCH_REQUESTS] += 1
-        dk = self._dev.keys_k[self._dev.keys_t >= 0] if self._pinned_rows else None
-        pinned_dev = int((self._pins.index_select(0, dk) > 0).sum()) if dk is not None else 0
+        pinned_dev = self._dev.pinned
         if pinned_dev + U > self._dev.capacity or \
                 self._pinned_rows + 2 * U > self._dev.capacity + self._host.capacity:  # admission
             io[IO.PREFETCH_DEGRADED] += 1
             return _Ticket(batch, False, False)
-        g0 = self._keys.loc.index_select(0, k)
+        g0 = self._find(k)
         was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
         try:
             _, on_dev = self._lookup(j, batch)
@@ -526,7 +410,7 @@ class Simulator:
                 self._pin(tk.batch[0], -1)
                 tk.pinned = False
                 n += 1
-        self._tally.io[IO.PREFETCH_REVOKED] += n
+        self._io[IO.PREFETCH_REVOKED] += n
         return n
 
     def _retry(self, fn, live: dict):
@@ -551,7 +435,7 @@ class Simulator:
             if nids:
                 if tk.pinned:  # L: its rows are resident, used where they are pinned
                     slot, on_dev = self._where(k)
-                    self._tally.io[IO.PREFETCH_HITS] += int(counts[on_dev].sum())
+                    self._io[IO.PREFETCH_HITS] += int(counts[on_dev].sum())
                 elif tk.accounted:  # revoked: placed again without accounting
                     self._retry(lambda: self._moved(k, counts), live)
                 else:  # refused: a plain lookup
@@ -589,7 +473,6 @@ class Simulator:
                 self._run_plain()
         finally:
             torch.set_num_threads(threads)
-        self._tally.into(self.counters)
         self.degraded = int(self.counters.io[IO.PREFETCH_DEGRADED])
         secs = time.perf_counter() - t0
         io = self.counters.io

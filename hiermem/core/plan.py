@@ -1,0 +1,376 @@
+"""The placement of a batch: which rows move where, decided and committed by kernels.
+
+``decide`` answers, for the distinct rows ``(t, k)`` of a batch, without changing any
+state the store can observe: where each row is (device, host, or neither: LMDB or the
+initialiser), which misses move up to the device (the first ``n_move`` in batch order,
+as many as the device can hold beside its hits and pinned rows), which go to the host,
+which device rows are evicted (to the host while it has room, the least valuable rest
+straight to disk), which host rows are evicted to disk, which rows must be read from
+disk and which dirty victims written down.  The caller then does the I/O that may fail
+(LMDB read of the disk rows, write-back of the dirty victims), so an error leaves the
+store as it was (:func:`abort` forgets the victim search's reservoir, whose entries the
+victims left), and ``commit`` applies the plan to the index, the tiers' slot metadata,
+the policies' keys and the counters, returning every row's slot and the copies the data
+plane must make (host->device, device->host, disk->device, disk->host).
+
+Arrays (all numpy, CPU): ``ix`` the index tuple (:mod:`hiermem.core.index`); a tier is
+``(keys_t, keys_k, dirty, pins, free, tmeta, mark)`` with ``tmeta = [nfree, npinned,
+capacity, base]``; a policy is the tuple of :mod:`hiermem.core.victims`.  ``ws`` (int64
+``[NROWS, >= U]``) is the workspace and the plan (rows named below), ``res`` (int64
+``[NRES]``) its counts.  Row data never enters here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .index import find1, insert1, remove1, repoint1
+from .jit import inline, kernel
+from .policy import carry, touch
+from .victims import drop, set_key, victims
+
+# workspace rows
+(G, SLOT, ONDEV, MI, VD, VH, DISK, FOUND, WB, UP_SRC, UP_DST, DN_SRC, DN_DST, NEW_DST, ENTRY, MOVED,
+ SV_T, SV_K, SV_DIRTY, SV_PINS, SV_KEY, SV_SCORE, SV_USES) = range(23)
+NROWS = 23
+# res entries
+(STATUS, M, N_MOVE, NA, NB, NC, NE, N_VD, N_SKIP, N_VH, N_DISK, N_WB, N_UP, N_DN, DEV_EV, HOST_EV) = range(16)
+NRES = 16
+OK, CAPACITY = 0, 1
+# tier metadata
+NFREE, NPINNED, CAP, BASE = 0, 1, 2, 3
+# counters [table, tier, stat] (hiermem.stats: DEVICE HOST DISK x LOOKUPS HITS MISSES EVICTIONS WRITEBACKS)
+_DEV, _HOST, _DISK = 0, 1, 2
+_LOOKUPS, _HITS, _MISSES, _EVICTIONS, _WRITEBACKS = 0, 1, 2, 3, 4
+
+
+def workspace(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A plan's arrays for batches of up to ``n`` distinct rows (rows that change tier
+    are saved in it: up to two per distinct row)."""
+    return np.empty((NROWS, 2 * max(1, n)), dtype=np.int64), np.zeros(NRES, dtype=np.int64)
+
+
+@inline
+def _mark_held(tier, slots, base, n, flag):
+    """Mark (flag 1) or clear (flag 0) tier slots ``slots[:n] - base``; returns how many
+    of them are unpinned (the evictable ones the batch holds)."""
+    pins, mark = tier[3], tier[6]
+    held = 0
+    for j in range(n):
+        s = slots[j] - base
+        mark[s] = flag
+        if pins[s] == 0:
+            held += 1
+    return held
+
+
+@kernel
+def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
+    """Decide the placement of distinct rows ``(bt[i], bk[i])`` (int64 ``[U]``).
+
+    Fills ``ws[G]`` (each row's global slot or -1), ``ws[MI]`` (positions of device
+    misses), ``ws[VD]``/``ws[VH]`` (victims, smallest key first), ``ws[DISK]`` (positions
+    of the rows to read from disk), ``ws[WB]`` (dirty victims to write down: device slot
+    ``s`` as ``s``, host slot ``s`` as ``base + s``) and the counts in ``res``;
+    ``res[STATUS]`` is ``CAPACITY`` when the tiers cannot hold the batch beside their
+    pinned rows (nothing decided).  Changes no index, tier or key.
+    """
+    meta, offsets, slot_of, rev, tab = ix
+    U = bk.size
+    D = dev[5][CAP]
+    Hb = host[5][BASE]
+    g, mi = ws[G], ws[MI]
+    m = 0
+    for i in range(U):
+        s = find1(meta, offsets, slot_of, tab, bt[i], bk[i])
+        g[i] = s
+        if s < 0 or s >= D:
+            mi[m] = i
+            m += 1
+    res[:] = 0
+    res[M] = m
+    if m == 0:
+        return
+    dnfree = dev[5][NFREE]
+    dev_ev = 0
+    hits = ws[MOVED]  # scratch: the device hits' slots
+    nh = 0
+    n_move = m
+    if m > dnfree:
+        for i in range(U):
+            if g[i] >= 0 and g[i] < D:
+                hits[nh] = g[i]
+                nh += 1
+        held = _mark_held(dev, hits, 0, nh, 1)
+        dev_ev = (D - dnfree) - dev[5][NPINNED] - held
+        n_move = min(m, dnfree + dev_ev)
+    na = nb = nc = ne = 0
+    for j in range(m):
+        on_host = g[mi[j]] >= D
+        if j < n_move:
+            if on_host:
+                na += 1
+            else:
+                nb += 1
+        elif on_host:
+            nc += 1
+        else:
+            ne += 1
+    n_vd = max(0, n_move - dnfree)
+    hnfree = host[5][NFREE]
+    host_ev = 0
+    hheld = ws[ENTRY]  # scratch: the misses' host slots
+    nhh = 0
+    if n_vd + ne <= hnfree + na:
+        room_h = hnfree + na - ne
+    else:
+        for j in range(m):
+            if g[mi[j]] >= D:
+                hheld[nhh] = g[mi[j]]
+                nhh += 1
+        held = _mark_held(host, hheld, Hb, nhh, 1)
+        host_ev = (host[5][CAP] - hnfree) - host[5][NPINNED] - held
+        room_h = hnfree + na + host_ev - ne
+    if room_h < 0:
+        _mark_held(dev, hits, 0, nh, 0)
+        _mark_held(host, hheld, Hb, nhh, 0)
+        res[STATUS] = CAPACITY
+        return
+    vd, vh = ws[VD], ws[VH]
+    got = victims(dpol, dev[0], dev[3], dev[6], n_vd, dev_ev, D - dnfree, vd)
+    assert got == n_vd
+    n_skip = max(0, n_vd - room_h)
+    n_vh = max(0, (n_vd - n_skip) + ne - hnfree - na)
+    got = victims(hpol, host[0], host[3], host[6], n_vh, host_ev, host[5][CAP] - hnfree, vh)
+    assert got == n_vh
+    _mark_held(dev, hits, 0, nh, 0)
+    _mark_held(host, hheld, Hb, nhh, 0)
+    disk = ws[DISK]
+    nd = 0
+    for j in range(m):
+        if g[mi[j]] < 0:
+            disk[nd] = mi[j]
+            nd += 1
+    wb = ws[WB]
+    nw = 0
+    for j in range(n_vh):
+        if host[2][vh[j]]:
+            wb[nw] = Hb + vh[j]
+            nw += 1
+    for j in range(n_skip):
+        if dev[2][vd[j]]:
+            wb[nw] = vd[j]
+            nw += 1
+    res[N_MOVE], res[NA], res[NB], res[NC], res[NE] = n_move, na, nb, nc, ne
+    res[N_VD], res[N_SKIP], res[N_VH], res[N_DISK], res[N_WB] = n_vd, n_skip, n_vh, nd, nw
+    res[DEV_EV], res[HOST_EV] = dev_ev, host_ev
+
+
+@inline
+def _free(tier, s):
+    """Empty slot ``s`` (pushed on the free stack)."""
+    tm = tier[5]
+    if tier[3][s] > 0:
+        tm[NPINNED] -= 1
+    tier[0][s] = -1
+    tier[2][s] = False
+    tier[3][s] = 0
+    tier[4][tm[NFREE]] = s
+    tm[NFREE] += 1
+
+
+@inline
+def _pop_free(tier, n):
+    """Where the next ``n`` slots start on the free stack (the last ``n`` pushed, in
+    push order); they are taken."""
+    tm = tier[5]
+    tm[NFREE] -= n
+    return tm[NFREE]
+
+
+@inline
+def _evict(ix, tier, s, counters, tcode):
+    """Drop the row in slot ``s`` (to disk) from the tier and the index."""
+    t = tier[0][s]
+    counters[t, tcode, _EVICTIONS] += 1
+    if tier[2][s]:
+        counters[t, tcode, _WRITEBACKS] += 1
+    meta, offsets, slot_of, rev, tab = ix
+    remove1(meta, slot_of, rev, tab, tier[5][BASE] + s)
+    _free(tier, s)
+
+
+@inline
+def _save(ix, tier, pol, s, ws, j):
+    """Save the row of slot ``s`` (keys, dirty bit, pins, policy state, index entry) in
+    column ``j`` of the workspace, and empty the slot."""
+    ws[SV_T, j] = tier[0][s]
+    ws[SV_K, j] = tier[1][s]
+    ws[SV_DIRTY, j] = 1 if tier[2][s] else 0
+    ws[SV_PINS, j] = tier[3][s]
+    ws[SV_KEY, j] = pol[0][s]
+    ws[SV_SCORE].view(np.float64)[j] = pol[1][s]
+    ws[SV_USES, j] = pol[2][s]
+    rev = ix[3]
+    g = tier[5][BASE] + s
+    ws[ENTRY, j] = rev[g]
+    rev[g] = -1
+    _free(tier, s)
+
+
+@inline
+def _restore(ix, tier, pol, d, ws, j):
+    """Put the row saved in column ``j`` into free slot ``d``; re-point its index entry."""
+    tier[0][d] = ws[SV_T, j]
+    tier[1][d] = ws[SV_K, j]
+    tier[2][d] = ws[SV_DIRTY, j] != 0
+    p = ws[SV_PINS, j]
+    tier[3][d] = p
+    if p > 0:
+        tier[5][NPINNED] += 1
+    pol[1][d] = ws[SV_SCORE].view(np.float64)[j]
+    pol[2][d] = ws[SV_USES, j]
+    set_key(pol, d, ws[SV_KEY, j])
+    meta, offsets, slot_of, rev, tab = ix
+    repoint1(meta, slot_of, rev, tab, ws[ENTRY, j], tier[5][BASE] + d)
+
+
+@inline
+def _new(ix, tier, pol, d, t, k, clock, count):
+    """A row entering the tiers (from disk or the initialiser) into free slot ``d``."""
+    tier[0][d] = t
+    tier[1][d] = k
+    tier[2][d] = False
+    tier[3][d] = 0
+    meta, offsets, slot_of, rev, tab = ix
+    insert1(meta, offsets, slot_of, rev, tab, t, k, tier[5][BASE] + d)
+    touch(pol, d, clock, count, True)
+
+
+@inline
+def _account(bt, counts, g, mi, m, D, ws, res, counters):
+    """Lookups, hits and misses per table and tier of an accounted placement."""
+    j = 0
+    for i in range(bt.size):
+        t = bt[i]
+        miss = j < m and mi[j] == i
+        counters[t, _DEV, _LOOKUPS] += counts[i]
+        counters[t, _DEV, _HITS] += counts[i] - (1 if miss else 0)
+        if miss:
+            counters[t, _DEV, _MISSES] += 1
+            counters[t, _HOST, _LOOKUPS] += 1
+            if g[i] >= D:
+                counters[t, _HOST, _HITS] += 1
+            j += 1
+    disk, found = ws[DISK], ws[FOUND]
+    for j in range(res[N_DISK]):
+        t = bt[disk[j]]
+        counters[t, _HOST, _MISSES] += 1
+        counters[t, _DISK, _LOOKUPS] += 1
+        counters[t, _DISK, _HITS if found[j] else _MISSES] += 1
+
+
+@kernel
+def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
+    """Apply a plan from :func:`decide` (after its I/O: ``ws[FOUND][j]`` tells whether
+    disk row ``j`` was read from LMDB).  Fills ``ws[SLOT]`` / ``ws[ONDEV]`` (each row's
+    tier slot, and 1 on the device), ``ws[MOVED]`` (1 where a row came up to the
+    device), and the copies for the data plane: ``ws[UP_SRC] -> ws[UP_DST]`` (host ->
+    device, ``res[N_UP]`` rows), ``ws[DN_SRC] -> ws[DN_DST]`` (device -> host,
+    ``res[N_DN]``), and disk row ``j`` into global slot ``ws[NEW_DST][j]``.
+    ``account``: count lookups and use the rows (an unaccounted placement moves rows but
+    never uses them).  ``clock, counts``: int64 ``[U]``; ``counters``: int64
+    ``[tables, 3, 5]``.
+    """
+    U = bk.size
+    D = dev[5][CAP]
+    Hb = host[5][BASE]
+    g, mi, slot, ondev, moved = ws[G], ws[MI], ws[SLOT], ws[ONDEV], ws[MOVED]
+    m = res[M]
+    for i in range(U):
+        gi = g[i]
+        moved[i] = 0
+        if gi >= 0 and gi < D:
+            slot[i] = gi
+            ondev[i] = 1
+            if account:
+                touch(dpol, gi, clock[i], counts[i], False)
+    if account:
+        _account(bt, counts, g, mi, m, D, ws, res, counters)
+    if m == 0:
+        return
+    n_move, n_skip, n_vd = res[N_MOVE], res[N_SKIP], res[N_VD]
+    vd, vh = ws[VD], ws[VH]
+    for j in range(res[N_VH]):
+        _evict(ix, host, vh[j], counters, _HOST)
+    for j in range(n_skip):
+        _evict(ix, dev, vd[j], counters, _DEV)
+    # rows changing tier keep their index entries; saved before any slot is reused
+    up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
+    na = 0
+    for j in range(n_move):
+        gi = g[mi[j]]
+        if gi >= D:
+            up_src[na] = gi - Hb
+            _save(ix, host, hpol, gi - Hb, ws, na)
+            na += 1
+    nd = n_vd - n_skip
+    for j in range(nd):
+        s = vd[n_skip + j]
+        dn_src[j] = s
+        t = dev[0][s]
+        counters[t, _DEV, _EVICTIONS] += 1
+        if dev[2][s]:
+            counters[t, _DEV, _WRITEBACKS] += 1
+        _save(ix, dev, dpol, s, ws, na + j)
+    base = _pop_free(dev, na)
+    for j in range(na):
+        up_dst[j] = dev[4][base + j]
+        _restore(ix, dev, dpol, up_dst[j], ws, j)
+    base = _pop_free(host, nd)
+    for j in range(nd):
+        dn_dst[j] = host[4][base + j]
+        _restore(ix, host, hpol, dn_dst[j], ws, na + j)
+    res[N_UP], res[N_DN] = na, nd
+    new_dst = ws[NEW_DST]
+    ja = 0
+    jd = 0
+    base = _pop_free(dev, res[NB])
+    for j in range(n_move):
+        i = mi[j]
+        moved[i] = 1
+        ondev[i] = 1
+        if g[i] >= D:
+            slot[i] = up_dst[ja]
+            if account:
+                touch(dpol, up_dst[ja], clock[i], counts[i], False)
+            ja += 1
+        else:
+            d = dev[4][base + jd]
+            _new(ix, dev, dpol, d, bt[i], bk[i], clock[i], counts[i])
+            slot[i] = d
+            new_dst[jd] = d
+            jd += 1
+    base = _pop_free(host, res[NE])
+    je = 0
+    for j in range(n_move, m):
+        i = mi[j]
+        ondev[i] = 0
+        if g[i] >= D:
+            slot[i] = g[i] - Hb
+            if account:
+                touch(hpol, g[i] - Hb, clock[i], counts[i], False)
+        else:
+            d = host[4][base + je]
+            je += 1
+            _new(ix, host, hpol, d, bt[i], bk[i], clock[i], counts[i])
+            slot[i] = d
+            new_dst[jd] = Hb + d
+            jd += 1
+
+
+@kernel
+def abort(dpol, hpol):
+    """A plan was decided but its I/O failed: forget the reservoirs (victims left them)."""
+    drop(dpol)
+    drop(hpol)

@@ -1,0 +1,134 @@
+"""Eviction policies as compiled kernels: a key per slot, victims are the smallest keys.
+
+A policy is two things, both compiled (numba) and shared by the store and the simulator:
+
+* **how accesses update the keys** (:func:`new_key`): a row inserted into a tier, or a
+  resident row used ``count`` times with its last use at access ``clock``, gets a new
+  int64 key; rows moving between tiers carry their key (and any extra per-slot state);
+* **which slots go first**: the evictable slots with the smallest ``(key, slot)`` (ties
+  to the lower slot).  The victim search itself (:mod:`hiermem.core.victims`) is the
+  tier's, not the policy's.
+
+Per-slot state lives in flat arrays: ``key`` (int64, the order), and for policies that
+need it ``score`` (float64) and ``uses`` (int64); ``params`` (float64 ``[4]``) holds the
+policy's code and parameters.  Float orders (``lfu_decay``'s decayed counts) become int64
+keys through an order-preserving bit map (:func:`f2key`), so every policy shares one
+integer victim search.
+
+Adding a policy: give it a code below, a branch in :func:`new_key` (and
+:func:`lookahead_keys` if it uses future ids), and a class in :mod:`hiermem.eviction`
+naming the code and its parameters; the contract suite runs it compiled and interpreted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .jit import inline, kernel
+from .victims import drop, set_key
+
+LRU, LFU, LFU_DECAY, LOOKAHEAD = 0, 1, 2, 3
+CLOCK_BITS = 40  # LFU keys pack (count, last clock) as count << 40 | clock
+_CLOCK_MASK = (1 << CLOCK_BITS) - 1
+_COUNT_MAX = (1 << 22) - 1
+SOON = 1 << 62  # lookahead: rows the next batches use (evicted after all others)
+PROBATION = float(2 ** 41)  # lfu_decay: below any log2 score reached
+_LN2 = 0.6931471805599453
+
+
+@inline
+def f2key(x):
+    """An int64 with the order of float64 ``x`` (no NaN)."""
+    b = _bits(x)
+    if b < 0:
+        b = b ^ np.int64(0x7FFFFFFFFFFFFFFF)
+    return b
+
+
+@inline
+def _bits(x):
+    a = np.empty(1, dtype=np.float64)
+    a[0] = x
+    return a.view(np.int64)[0]
+
+
+@inline
+def _logaddexp2(a, b):
+    m = max(a, b)
+    return m + np.log1p(2.0 ** (min(a, b) - m)) / _LN2
+
+
+@inline
+def new_key(params, key, score, uses, s, clock, count, insert):
+    """The key of slot ``s`` after an access (``insert``: the row just entered the
+    tiers) of ``count`` uses, the last at ``clock``; updates ``score``/``uses``."""
+    kind = np.int64(params[0])
+    if kind == LRU:
+        return clock
+    if kind == LFU:
+        c = count if insert else (key[s] >> CLOCK_BITS) + count
+        return (min(c, _COUNT_MAX) << CLOCK_BITS) | (clock & _CLOCK_MASK)
+    if kind == LOOKAHEAD:
+        return clock if insert else clock | (key[s] & SOON)
+    # LFU_DECAY: log2 of the sum of count * 2**(clock / half_life) over uses
+    w = np.log2(np.float64(count)) + clock / params[1]
+    if insert:
+        score[s] = w
+        uses[s] = count
+    else:
+        score[s] = _logaddexp2(score[s], w)
+        uses[s] += count
+    v = score[s] - PROBATION if uses[s] < params[2] else score[s]
+    return f2key(v)
+
+
+@inline
+def touch(pol, s, clock, count, insert):
+    """Apply :func:`new_key` to slot ``s`` through the victim search's bookkeeping."""
+    key, score, uses, params = pol[0], pol[1], pol[2], pol[3]
+    set_key(pol, s, new_key(params, key, score, uses, s, clock, count, insert))
+
+
+@inline
+def carry(src, s, dst, d):
+    """Slot ``d`` of policy state ``dst`` takes the state of slot ``s`` of ``src``."""
+    dst[1][d] = src[1][s]
+    dst[2][d] = src[2][s]
+    set_key(dst, d, src[0][s])
+
+
+@kernel
+def access(pol, slots, clock, counts, insert):
+    """Batch form of :func:`touch`: ``slots, clock, counts`` int64 ``[n]``."""
+    for i in range(slots.size):
+        touch(pol, slots[i], clock[i], counts[i], insert)
+
+
+@kernel
+def carry_in(pol, slots, key, score, uses):
+    """Slots take carried state (``key, score, uses`` per slot, int64/float64/int64)."""
+    for i in range(slots.size):
+        s = slots[i]
+        pol[1][s] = score[i]
+        pol[2][s] = uses[i]
+        set_key(pol, s, key[i])
+
+
+@kernel
+def lookahead_keys(pol, slots):
+    """The rows in ``slots`` are used by the next batches (this set replaces the last):
+    their keys get the ``SOON`` bit, every other key loses it.  Rewrites every key, so the
+    victim search starts over."""
+    key = pol[0]
+    if np.int64(pol[3][0]) != LOOKAHEAD:
+        return
+    for s in range(key.size):
+        key[s] &= SOON - 1
+    for i in range(slots.size):
+        key[slots[i]] |= SOON
+    drop(pol)
+
+
+def incremental(kind: int) -> bool:
+    """Whether keys change only through :func:`set_key` (victims from the reservoir)."""
+    return kind != LOOKAHEAD

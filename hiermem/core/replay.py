@@ -1,0 +1,94 @@
+"""A whole trace replayed through the control plane in one compiled loop.
+
+The simulator's plain replay (no prefetch): for each batch, the same dedup the store
+does (a stable sort: distinct rows in ``(table, id)`` order, counts, last positions),
+then :func:`~hiermem.core.plan.decide` and :func:`~hiermem.core.plan.commit`, the
+store's own kernels, with "written to LMDB" a bit per row instead of I/O.  No Python runs
+per batch or per access, so a trace of single-id batches replays at memory speed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .jit import kernel
+from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit,
+                   decide)
+
+# hiermem.stats.IO positions used here
+_H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
+
+
+@kernel
+def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io,
+           row_bytes, ws, res, clock0):
+    """Replay batches ``rows[offsets[i]:offsets[i + 1]]`` (dense row numbers, int64) in
+    order.  ``table_of_row``/``row_base``: each dense row's table and the first dense
+    row of each table (index keys are ``(table, row - row_base[table])``); ``written``
+    (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
+    ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied)."""
+    nmax = 0
+    for i in range(offsets.size - 1):
+        nmax = max(nmax, offsets[i + 1] - offsets[i])
+    bt = np.empty(nmax, dtype=np.int64)
+    bk = np.empty(nmax, dtype=np.int64)
+    clock = np.empty(nmax, dtype=np.int64)
+    counts = np.empty(nmax, dtype=np.int64)
+    D = dev[5][2]
+    Hb = host[5][3]
+    c0 = clock0
+    for i in range(offsets.size - 1):
+        a, b = offsets[i], offsets[i + 1]
+        n = b - a
+        if n == 0:
+            continue
+        if n == 1:
+            u = 1
+            r = rows[a]
+            bt[0] = table_of_row[r]
+            bk[0] = r - row_base[bt[0]]
+            clock[0] = c0
+            counts[0] = 1
+        else:
+            order = np.argsort(rows[a:b], kind="mergesort")
+            u = 0
+            for j in range(n):
+                r = rows[a + order[j]]
+                if u == 0 or r != rows[a + order[j - 1]]:
+                    bt[u] = table_of_row[r]
+                    bk[u] = r - row_base[bt[u]]
+                    counts[u] = 0
+                    u += 1
+                counts[u - 1] += 1
+                clock[u - 1] = c0 + order[j]  # stable: the last of a run is the last occurrence
+        t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
+        decide(ix, dev, dpol, host, hpol, t_, k_, ws, res)
+        if res[STATUS] == CAPACITY:
+            return -1 - i
+        disk, found = ws[DISK], ws[FOUND]
+        for j in range(res[N_DISK]):
+            p = disk[j]
+            w = written[row_base[t_[p]] + k_[p]]
+            found[j] = w
+            io[_DISK2H] += w * row_bytes
+        wb = ws[WB]
+        for j in range(res[N_WB]):
+            s = wb[j]
+            tier = host if s >= D else dev
+            s -= tier[5][3]
+            written[row_base[tier[0][s]] + tier[1][s]] = 1
+        io[_H2DISK] += res[N_WB] * row_bytes
+        commit(ix, dev, dpol, host, hpol, t_, k_, cl_, cn_, True, ws, res, counters)
+        io[_D2H] += res[N_DN] * row_bytes
+        io[_H2D] += (res[N_UP] + res[NB]) * row_bytes
+        if updates:
+            slot, ondev = ws[SLOT], ws[ONDEV]
+            for j in range(u):
+                if ondev[j]:
+                    dev[2][slot[j]] = True
+                else:
+                    host[2][slot[j]] = True
+            io[_UPDATES] += 1
+            io[_UPDATED] += u
+        c0 += n
+    return c0

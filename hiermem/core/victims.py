@@ -1,0 +1,279 @@
+"""The tier's victim search: the ``n`` evictable slots with the smallest ``(key, slot)``.
+
+A pass over the tier per evicting batch costs O(capacity) (a host tier of 16M rows:
+about a second), so the search keeps a *reservoir* (exact, not sampled):
+
+* a sorted **run** ``(run_k, run_s)`` of the slots whose keys were at most ``tau`` when
+  it was built (about 1/8 of the tier), walked from ``pos``;
+* a min-**heap** ``(heap_k, heap_s)`` of every key set at or below ``tau`` since (carried
+  old keys, LFU's fresh counts), so keys that arrive out of order cost ``O(log n)``.
+
+Invariant: every occupied slot whose key is ``<= tau`` has an entry (run or heap) with its
+current key.  Entries whose key is no longer the slot's are stale and skipped; the
+victims are the smallest current entries that are evictable, merged from the run and
+the heap.  When both run out (or the heap overflows) the reservoir is rebuilt by one
+pass.  A one-access batch (a per-access trace) costs amortised O(1) for LRU and
+O(log n) for LFU.
+
+``pol`` is the policy state tuple ``(key, score, uses, params, rmeta, run_s, run_k,
+heap_k, heap_s, side_k, side_s)``; ``rmeta`` (int64 ``[8]``): valid, tau, pos, run
+length, heap length, builds, scans.  Evictable = occupied (``keys_t >= 0``), unpinned,
+``mark == 0`` (the caller marks the batch's own slots).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .jit import inline, kernel
+
+_VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS = 0, 1, 2, 3, 4, 5, 6
+FRACTION = 8  # a build keeps about this fraction of the occupied slots
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def new_state(capacity: int) -> np.ndarray:
+    """``rmeta`` of an empty victim search (no reservoir yet)."""
+    return np.zeros(8, dtype=np.int64)
+
+
+def heap_capacity(capacity: int) -> int:
+    return max(1 << 16, capacity // 4)
+
+
+@inline
+def drop(pol):
+    """Forget the reservoir (the next search rebuilds it)."""
+    rm = pol[4]
+    rm[_VALID] = 0
+    rm[_HLEN] = 0
+
+
+@inline
+def _less(k1, s1, k2, s2):
+    return k1 < k2 or (k1 == k2 and s1 < s2)
+
+
+@inline
+def _push(hk, hs, n, k, s):
+    i = n
+    while i > 0:
+        p = (i - 1) >> 1
+        if _less(k, s, hk[p], hs[p]):
+            hk[i] = hk[p]
+            hs[i] = hs[p]
+            i = p
+        else:
+            break
+    hk[i] = k
+    hs[i] = s
+
+
+@inline
+def _pop(hk, hs, n):
+    """Remove the top of a heap of ``n`` entries (``n >= 1``)."""
+    n -= 1
+    k, s = hk[n], hs[n]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and _less(hk[c + 1], hs[c + 1], hk[c], hs[c]):
+            c += 1
+        if _less(hk[c], hs[c], k, s):
+            hk[i] = hk[c]
+            hs[i] = hs[c]
+            i = c
+        else:
+            break
+    if n > 0:
+        hk[i] = k
+        hs[i] = s
+
+
+@inline
+def set_key(pol, s, k):
+    """``key[s] = k``, keeping the reservoir's invariant."""
+    pol[0][s] = k
+    rm = pol[4]
+    if rm[_VALID] and k <= rm[_TAU]:
+        hk, hs = pol[7], pol[8]
+        n = rm[_HLEN]
+        if n >= hk.size:  # no evictions for long: let it go
+            drop(pol)
+        else:
+            _push(hk, hs, n, k, s)
+            rm[_HLEN] = n + 1
+
+
+@inline
+def _current(key, keys_t, s, k):
+    return keys_t[s] >= 0 and key[s] == k
+
+
+@inline
+def _ok(keys_t, pins, mark, s):
+    return keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0
+
+
+@kernel
+def build(pol, keys_t, r):
+    """A reservoir of the ``r`` occupied slots of smallest key (and all their ties)."""
+    key, rm, run_s, run_k = pol[0], pol[4], pol[5], pol[6]
+    occ = 0
+    for s in range(keys_t.size):
+        if keys_t[s] >= 0:
+            occ += 1
+    ks = np.empty(occ, dtype=np.int64)
+    ss = np.empty(occ, dtype=np.int64)
+    j = 0
+    for s in range(keys_t.size):
+        if keys_t[s] >= 0:
+            ks[j] = key[s]
+            ss[j] = s
+            j += 1
+    if r >= occ:
+        tau = INT64_MAX
+    else:
+        tau = np.partition(ks, r - 1)[r - 1]
+        j = 0  # ks was permuted by partition: take the entries again from the slots
+        for s in range(keys_t.size):
+            if keys_t[s] >= 0 and key[s] <= tau:
+                ks[j] = key[s]
+                ss[j] = s
+                j += 1
+        occ = j
+    o = np.argsort(ks[:occ], kind="mergesort")  # slots ascending: (key, slot) order
+    for i in range(occ):
+        run_k[i] = ks[o[i]]
+        run_s[i] = ss[o[i]]
+    rm[_RLEN] = occ
+    rm[_POS] = 0
+    rm[_HLEN] = 0
+    rm[_TAU] = tau
+    rm[_VALID] = 1
+    rm[_BUILDS] += 1
+
+
+@kernel
+def scan(pol, keys_t, pins, mark, n, out):
+    """Victims by a pass over the tier; returns how many were found (< n: too few)."""
+    key = pol[0]
+    m = 0
+    for s in range(keys_t.size):
+        if _ok(keys_t, pins, mark, s):
+            m += 1
+    ks = np.empty(m, dtype=np.int64)
+    ss = np.empty(m, dtype=np.int64)
+    j = 0
+    for s in range(keys_t.size):
+        if _ok(keys_t, pins, mark, s):
+            ks[j] = key[s]
+            ss[j] = s
+            j += 1
+    o = np.argsort(ks, kind="mergesort")
+    got = min(n, m)
+    for i in range(got):
+        out[i] = ss[o[i]]
+    pol[4][_SCANS] += 1
+    return got
+
+
+@inline
+def _walk(pol, keys_t, pins, mark, n, out):
+    """Victims from the reservoir, merged from the run and the heap; the number found."""
+    key, rm, run_s, run_k, hk, hs, sk, ss = pol[0], pol[4], pol[5], pol[6], pol[7], pol[8], pol[9], pol[10]
+    found = 0
+    i = rm[_POS]
+    rlen = rm[_RLEN]
+    lead = True
+    nside = 0
+    while found < n:
+        while i < rlen:  # the next current, evictable run entry
+            s = run_s[i]
+            if _current(key, keys_t, s, run_k[i]):
+                lead = False
+                if _ok(keys_t, pins, mark, s):
+                    break
+            elif lead:  # stale entries at the front are gone for good
+                rm[_POS] = i + 1
+            i += 1
+        while rm[_HLEN] > 0:  # the heap's top, if current and evictable
+            s = hs[0]
+            k = hk[0]
+            if not _current(key, keys_t, s, k):
+                _pop(hk, hs, rm[_HLEN])
+                rm[_HLEN] -= 1
+            elif not _ok(keys_t, pins, mark, s):  # held: set aside, pushed back below
+                sk[nside] = k
+                ss[nside] = s
+                nside += 1
+                _pop(hk, hs, rm[_HLEN])
+                rm[_HLEN] -= 1
+            else:
+                break
+        has_run, has_heap = i < rlen, rm[_HLEN] > 0
+        if not has_run and not has_heap:
+            break
+        if has_run and (not has_heap or _less(run_k[i], run_s[i], hk[0], hs[0])):
+            s = run_s[i]
+            i += 1
+        else:
+            s = hs[0]
+            _pop(hk, hs, rm[_HLEN])
+            rm[_HLEN] -= 1
+        out[found] = s
+        mark[s] = 2  # taken: a duplicate entry of the same slot is not taken twice
+        found += 1
+    for j in range(found):
+        mark[out[j]] = 0
+    for j in range(nside):
+        _push(hk, hs, rm[_HLEN], sk[j], ss[j])
+        rm[_HLEN] += 1
+    return found
+
+
+@kernel
+def victims(pol, keys_t, pins, mark, n, evictable, occupancy, out):
+    """``out[:n]`` = the ``n`` evictable slots with the smallest ``(key, slot)``, in that
+    order; ``evictable`` of ``occupancy`` occupied slots are.  Returns the number found
+    (``n``, or fewer when fewer are evictable).  ``out``: int64 ``[>= n]``."""
+    if n <= 0:
+        return 0
+    if evictable < n:
+        return scan(pol, keys_t, pins, mark, n, out)
+    held = occupancy - evictable
+    r = max(8 * n, occupancy // FRACTION, 4096) + held
+    if np.int64(pol[3][0]) == 3 or r >= occupancy or pol[7].size < 1:  # lookahead; small tiers
+        drop(pol)
+        return scan(pol, keys_t, pins, mark, n, out)
+    for _attempt in range(2):
+        if pol[4][_VALID] == 0:
+            build(pol, keys_t, r)
+        got = _walk(pol, keys_t, pins, mark, n, out)
+        if got == n:
+            return got
+        drop(pol)
+    return scan(pol, keys_t, pins, mark, n, out)
+
+
+@kernel
+def check(pol, keys_t):
+    """Whether the reservoir's invariant holds (a debugging aid; O(capacity))."""
+    key, rm = pol[0], pol[4]
+    if rm[_VALID] == 0:
+        return True
+    have = np.zeros(keys_t.size, dtype=np.uint8)
+    for i in range(rm[_POS], rm[_RLEN]):
+        s = pol[5][i]
+        if pol[6][i] == key[s]:
+            have[s] = 1
+    for i in range(rm[_HLEN]):
+        s = pol[8][i]
+        if pol[7][i] == key[s]:
+            have[s] = 1
+    for s in range(keys_t.size):
+        if keys_t[s] >= 0 and key[s] <= rm[_TAU] and have[s] == 0:
+            return False
+    return True

@@ -77,9 +77,20 @@ class EvictionPolicy:
     def reservoir_builds(self) -> int:
         return int(self.state[4][5])
 
+    @property
+    def reservoir(self) -> bool:
+        """Whether victims come from the reservoir (True) or a pass over the tier per
+        evicting batch (False: the reference the tests compare it with)."""
+        return not self.state[4][_vk.SCAN_ONLY]
+
+    @reservoir.setter
+    def reservoir(self, on: bool) -> None:
+        self.state[4][_vk.SCAN_ONLY] = 0 if on else 1
+
     def reset(self) -> None:
         """Forget the victim search (every slot was emptied)."""
-        self.state[4][:] = 0
+        rm = self.state[4]
+        rm[:_vk.SCAN_ONLY] = 0
 
     def on_access(self, slots, clock, counts) -> None:
         """Resident ``slots`` were used ``counts`` times, last at access ``clock``."""

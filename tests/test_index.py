@@ -1,4 +1,5 @@
-"""SlotIndex and DirectIndex against a dict, under inserts, removals, moves and rebuilds."""
+"""The compiled key index (hashed and direct layouts) against a dict, under inserts,
+removals, moves and rebuilds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hiermem.index import DIRECT_INDEX_BYTES, DirectIndex, SlotIndex, make_index
+from hiermem.core.index import DIRECT_INDEX_BYTES, KeyIndex, make_index
 
 
 SIZES = [500, 700, 600]
@@ -19,10 +20,10 @@ def test_matches_dict(seed, kind):
     rng = random.Random(seed)
     cap = 300
     if kind == "hash":
-        ix = SlotIndex(cap)
+        ix = KeyIndex(cap, [None])
         big = lambda t: rng.randrange(2**62)  # noqa: E731
     else:
-        ix = DirectIndex(cap, torch.tensor([0, 500, 1200]), sum(SIZES))
+        ix = KeyIndex(cap, SIZES, direct=True)
         big = lambda t: SIZES[t] - 1 - rng.randrange(3)  # noqa: E731  (the last rows of a table)
     ref: dict[tuple[int, int], int] = {}
     free = list(range(cap))
@@ -58,24 +59,46 @@ def test_matches_dict(seed, kind):
 
 
 def test_same_id_different_tables_are_distinct():
-    ix = SlotIndex(4)
+    ix = KeyIndex(4, [None])
     ix.insert(torch.tensor([0, 1]), torch.tensor([5, 5]), torch.tensor([0, 1]))
     assert ix.find(torch.tensor([0, 1, 2]), torch.tensor([5, 5, 5])).tolist() == [0, 1, -1]
 
 
 def test_memory_grows_with_capacity_not_ids():
-    ix = SlotIndex(1000)
+    ix = KeyIndex(1000, [None])
     ix.insert(torch.zeros(3, dtype=torch.int64), torch.tensor([0, 2**40, 2**62]), torch.tensor([0, 1, 2]))
     assert ix.nbytes() <= 24 * 2048 + 8 * 1000
 
 
 def test_direct_index_chosen_only_when_small():
-    assert isinstance(make_index(1000, [10**6, 5]), DirectIndex)
-    assert isinstance(make_index(1000, [10**6, None]), SlotIndex)  # an unbounded table: hashed
-    assert isinstance(make_index(1000, [DIRECT_INDEX_BYTES]), SlotIndex)  # 4 bytes a row is too much
+    assert make_index(1000, [10**6, 5]).direct
+    assert not make_index(1000, [10**6, None]).direct  # an unbounded table: hashed
+    assert not make_index(1000, [DIRECT_INDEX_BYTES]).direct  # 4 bytes a row is too much
     # as large as the hash map it replaces is fine, whatever the budget
-    assert isinstance(make_index(10**7, [DIRECT_INDEX_BYTES]), DirectIndex)
+    assert make_index(10**7, [DIRECT_INDEX_BYTES]).direct
     d = make_index(8, [3, 4])
     d.insert(torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([7, 0]))
     assert d.find(torch.tensor([0, 1, 1]), torch.tensor([2, 3, 0])).tolist() == [7, 0, -1]
     assert d.find(torch.tensor([0, 1, 1]), torch.tensor([2, 3, 0])).dtype == torch.int64
+
+
+def test_rehash_keeps_every_key_under_churn():
+    """Insert/remove cycles fill the table with tombstones; rehashes keep every key."""
+    ix = KeyIndex(64, [None])
+    live = {}
+    rng = random.Random(3)
+    for step in range(2000):
+        if len(live) < 64 and (not live or rng.random() < 0.55):
+            k = rng.randrange(2**40)
+            if (0, k) in live:
+                continue
+            s = next(x for x in range(64) if x not in live.values())
+            ix.insert(torch.tensor([0]), torch.tensor([k]), torch.tensor([s]))
+            live[(0, k)] = s
+        else:
+            key = rng.choice(list(live))
+            ix.remove_slots(torch.tensor([live.pop(key)]))
+    keys = list(live)
+    got = ix.find(torch.tensor([0] * len(keys)), torch.tensor([k for _, k in keys])).tolist()
+    assert got == [live[k] for k in keys]
+    assert ix.size == len(live)

@@ -289,7 +289,7 @@ class KeyIndex:
         return tuple(torch.from_numpy(x) for x in _items(*self.arrays))
 
     def nbytes(self) -> int:
-        return self.slot_of.nbytes + self.rev.nbytes + self.tab.nbytes
+        return (self.slot_of.nbytes if self.direct else self.tab.nbytes) + self.rev.nbytes
 
 
 def make_index(capacity: int, sizes: list[int | None]) -> KeyIndex:

@@ -13,11 +13,37 @@ pointer chasing, where threads would cost more than they save.  numba's thread p
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import numba
 
 DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
+
+
+def _invalidate_stale_cache() -> None:
+    """Drop cached machine code compiled from other sources of this package.
+
+    numba keys a cached kernel on its own file's timestamp only, but a kernel compiles
+    in the helpers it calls from other files; so the cache is stamped with a hash of
+    every kernel source, and dropped whole when any of them changed."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(here.glob("*.py")))).hexdigest()
+    cache = here / "__pycache__"
+    stamp = cache / "kernels.sha256"
+    try:
+        if stamp.is_file() and stamp.read_text() == digest:
+            return
+        for f in list(cache.glob("*.nbi")) + list(cache.glob("*.nbc")):
+            f.unlink(missing_ok=True)
+        cache.mkdir(exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:  # a read-only install: numba falls back to its user cache dir
+        pass
+
+
+_invalidate_stale_cache()
 
 
 def kernel(fn):

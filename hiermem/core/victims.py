@@ -17,7 +17,7 @@ O(log n) for LFU.
 
 ``pol`` is the policy state tuple ``(key, score, uses, params, rmeta, run_s, run_k,
 heap_k, heap_s, side_k, side_s)``; ``rmeta`` (int64 ``[8]``): valid, tau, pos, run
-length, heap length, builds, scans.  Evictable = occupied (``keys_t >= 0``), unpinned,
+length, heap length, builds, scans, and 1 to always scan (a reference for tests).  Evictable = occupied (``keys_t >= 0``), unpinned,
 ``mark == 0`` (the caller marks the batch's own slots).
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from .jit import inline, kernel
 
-_VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS = 0, 1, 2, 3, 4, 5, 6
+_VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
 INT64_MAX = np.iinfo(np.int64).max
 
@@ -245,7 +245,7 @@ def victims(pol, keys_t, pins, mark, n, evictable, occupancy, out):
         return scan(pol, keys_t, pins, mark, n, out)
     held = occupancy - evictable
     r = max(8 * n, occupancy // FRACTION, 4096) + held
-    if np.int64(pol[3][0]) == 3 or r >= occupancy or pol[7].size < 1:  # lookahead; small tiers
+    if np.int64(pol[3][0]) == 3 or r >= occupancy or pol[4][SCAN_ONLY]:  # lookahead; small tiers
         drop(pol)
         return scan(pol, keys_t, pins, mark, n, out)
     for _attempt in range(2):

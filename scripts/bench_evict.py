@@ -5,7 +5,7 @@ up batches of rows it has never seen, so every batch evicts a batch's worth of h
 The batch that builds a reservoir (one pass) is timed apart and amortised over the
 batches one reservoir lasts (about host/8/batch here).
 The same store alternates between its host policy's reservoir (the default) and a full
-scan (``policy.incremental = False``) in rounds, so both see the same tier and machine
+scan (``policy.reservoir = False``) in rounds, so both see the same tier and machine
 state; printed: milliseconds per evicting batch each way and their ratio (scan over amortised), per host size
 and policy.  Last line: one JSON object.
 
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
                 build = []  # the batch that builds the reservoir
                 for r in range(a.rounds):
                     for mode in ("scan", "reservoir") if r % 2 == 0 else ("reservoir", "scan"):
-                        pol.incremental = mode == "reservoir"
+                        pol.reservoir = mode == "reservoir"
                         t0 = time.perf_counter()
                         s.lookup("t", torch.arange(nxt, nxt + a.batch))  # settle (a reservoir builds here)
                         if mode == "reservoir":

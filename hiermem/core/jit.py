@@ -51,6 +51,10 @@ def kernel(fn):
     return numba.njit(cache=True, nogil=True)(fn)
 
 
-def inline(fn):
-    """A small helper inlined into the kernels that call it (compiled with them)."""
-    return numba.njit(cache=True, nogil=True, inline="always")(fn)
+def helper(fn):
+    """A helper the kernels call (compiled with them; LLVM inlines the small ones).
+
+    Helpers take arrays one by one, never tuples of arrays: taking an array out of a
+    tuple inside a loop costs a reference-count round trip (tens of ns), more than the
+    work of a placement step.  Kernels unpack their tuples once, at the top."""
+    return numba.njit(cache=True, nogil=True)(fn)

@@ -17,7 +17,9 @@ Arrays (all numpy, CPU): ``ix`` the index tuple (:mod:`hiermem.core.index`); a t
 ``(keys_t, keys_k, dirty, pins, free, tmeta, mark)`` with ``tmeta = [nfree, npinned,
 capacity, base]``; a policy is the tuple of :mod:`hiermem.core.victims`.  ``ws`` (int64
 ``[NROWS, >= U]``) is the workspace and the plan (rows named below), ``res`` (int64
-``[NRES]``) its counts.  Row data never enters here.
+``[NRES]``) its counts.  Row data never enters here.  ``decide``/``commit`` unpack the
+tuples once and call ``decide_``/``commit_``, which take every array by itself (so the
+per-access replay can call them per access at no tuple cost, see :mod:`hiermem.core.jit`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find1, insert1, remove1, repoint1
-from .jit import inline, kernel
-from .policy import carry, touch
-from .victims import drop, set_key, victims
+from .jit import helper, kernel
+from .policy import touch
+from .victims import drop, set_key, victims_
 
 # workspace rows
 (G, SLOT, ONDEV, MI, VD, VH, DISK, FOUND, WB, UP_SRC, UP_DST, DN_SRC, DN_DST, NEW_DST, ENTRY, MOVED,
@@ -50,11 +52,10 @@ def workspace(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.empty((NROWS, 2 * max(1, n)), dtype=np.int64), np.zeros(NRES, dtype=np.int64)
 
 
-@inline
-def _mark_held(tier, slots, base, n, flag):
+@helper
+def _mark_held(pins, mark, slots, base, n, flag):
     """Mark (flag 1) or clear (flag 0) tier slots ``slots[:n] - base``; returns how many
     of them are unpinned (the evictable ones the batch holds)."""
-    pins, mark = tier[3], tier[6]
     held = 0
     for j in range(n):
         s = slots[j] - base
@@ -64,21 +65,17 @@ def _mark_held(tier, slots, base, n, flag):
     return held
 
 
-@kernel
-def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
-    """Decide the placement of distinct rows ``(bt[i], bk[i])`` (int64 ``[U]``).
-
-    Fills ``ws[G]`` (each row's global slot or -1), ``ws[MI]`` (positions of device
-    misses), ``ws[VD]``/``ws[VH]`` (victims, smallest key first), ``ws[DISK]`` (positions
-    of the rows to read from disk), ``ws[WB]`` (dirty victims to write down: device slot
-    ``s`` as ``s``, host slot ``s`` as ``base + s``) and the counts in ``res``;
-    ``res[STATUS]`` is ``CAPACITY`` when the tiers cannot hold the batch beside their
-    pinned rows (nothing decided).  Changes no index, tier or key.
-    """
-    meta, offsets, slot_of, rev, tab = ix
+@helper
+def decide_(meta, offsets, slot_of, rev, tab,
+            dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
+            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
+            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
+            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
+            bt, bk, ws, res):
+    """:func:`decide` over arrays."""
     U = bk.size
-    D = dev[5][CAP]
-    Hb = host[5][BASE]
+    D = dtm[CAP]
+    Hb = htm[BASE]
     g, mi = ws[G], ws[MI]
     m = 0
     for i in range(U):
@@ -91,7 +88,7 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
     res[M] = m
     if m == 0:
         return
-    dnfree = dev[5][NFREE]
+    dnfree = dtm[NFREE]
     dev_ev = 0
     hits = ws[MOVED]  # scratch: the device hits' slots
     nh = 0
@@ -101,8 +98,8 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
             if g[i] >= 0 and g[i] < D:
                 hits[nh] = g[i]
                 nh += 1
-        held = _mark_held(dev, hits, 0, nh, 1)
-        dev_ev = (D - dnfree) - dev[5][NPINNED] - held
+        held = _mark_held(dpins, dmark, hits, 0, nh, 1)
+        dev_ev = (D - dnfree) - dtm[NPINNED] - held
         n_move = min(m, dnfree + dev_ev)
     na = nb = nc = ne = 0
     for j in range(m):
@@ -117,7 +114,7 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
         else:
             ne += 1
     n_vd = max(0, n_move - dnfree)
-    hnfree = host[5][NFREE]
+    hnfree = htm[NFREE]
     host_ev = 0
     hheld = ws[ENTRY]  # scratch: the misses' host slots
     nhh = 0
@@ -128,23 +125,24 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
             if g[mi[j]] >= D:
                 hheld[nhh] = g[mi[j]]
                 nhh += 1
-        held = _mark_held(host, hheld, Hb, nhh, 1)
-        host_ev = (host[5][CAP] - hnfree) - host[5][NPINNED] - held
+        held = _mark_held(hpins, hmark, hheld, Hb, nhh, 1)
+        host_ev = (htm[CAP] - hnfree) - htm[NPINNED] - held
         room_h = hnfree + na + host_ev - ne
     if room_h < 0:
-        _mark_held(dev, hits, 0, nh, 0)
-        _mark_held(host, hheld, Hb, nhh, 0)
+        _mark_held(dpins, dmark, hits, 0, nh, 0)
+        _mark_held(hpins, hmark, hheld, Hb, nhh, 0)
         res[STATUS] = CAPACITY
         return
     vd, vh = ws[VD], ws[VH]
-    got = victims(dpol, dev[0], dev[3], dev[6], n_vd, dev_ev, D - dnfree, vd)
+    got = victims_(dkey, dparams, drm, drs, drk, dhk, dhs, dsk, dss, dkt, dpins, dmark, n_vd, dev_ev, D - dnfree, vd)
     assert got == n_vd
     n_skip = max(0, n_vd - room_h)
     n_vh = max(0, (n_vd - n_skip) + ne - hnfree - na)
-    got = victims(hpol, host[0], host[3], host[6], n_vh, host_ev, host[5][CAP] - hnfree, vh)
+    got = victims_(hkey, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, hkt, hpins, hmark, n_vh, host_ev,
+                   htm[CAP] - hnfree, vh)
     assert got == n_vh
-    _mark_held(dev, hits, 0, nh, 0)
-    _mark_held(host, hheld, Hb, nhh, 0)
+    _mark_held(dpins, dmark, hits, 0, nh, 0)
+    _mark_held(hpins, hmark, hheld, Hb, nhh, 0)
     disk = ws[DISK]
     nd = 0
     for j in range(m):
@@ -154,11 +152,11 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
     wb = ws[WB]
     nw = 0
     for j in range(n_vh):
-        if host[2][vh[j]]:
+        if hdirty[vh[j]]:
             wb[nw] = Hb + vh[j]
             nw += 1
     for j in range(n_skip):
-        if dev[2][vd[j]]:
+        if ddirty[vd[j]]:
             wb[nw] = vd[j]
             nw += 1
     res[N_MOVE], res[NA], res[NB], res[NC], res[NE] = n_move, na, nb, nc, ne
@@ -166,88 +164,105 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
     res[DEV_EV], res[HOST_EV] = dev_ev, host_ev
 
 
-@inline
-def _free(tier, s):
+@kernel
+def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
+    """Decide the placement of distinct rows ``(bt[i], bk[i])`` (int64 ``[U]``).
+
+    Fills ``ws[G]`` (each row's global slot or -1), ``ws[MI]`` (positions of device
+    misses), ``ws[VD]``/``ws[VH]`` (victims, smallest key first), ``ws[DISK]`` (positions
+    of the rows to read from disk), ``ws[WB]`` (dirty victims to write down: device slot
+    ``s`` as ``s``, host slot ``s`` as ``base + s``) and the counts in ``res``;
+    ``res[STATUS]`` is ``CAPACITY`` when the tiers cannot hold the batch beside their
+    pinned rows (nothing decided).  Changes no index, tier or key.
+    """
+    meta, offsets, slot_of, rev, tab = ix
+    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
+    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
+    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
+    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
+    decide_(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
+            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
+            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
+            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, bt, bk, ws, res)
+
+
+@helper
+def _free(kt, dirty, pins, free, tm, s):
     """Empty slot ``s`` (pushed on the free stack)."""
-    tm = tier[5]
-    if tier[3][s] > 0:
+    if pins[s] > 0:
         tm[NPINNED] -= 1
-    tier[0][s] = -1
-    tier[2][s] = False
-    tier[3][s] = 0
-    tier[4][tm[NFREE]] = s
+    kt[s] = -1
+    dirty[s] = False
+    pins[s] = 0
+    free[tm[NFREE]] = s
     tm[NFREE] += 1
 
 
-@inline
-def _pop_free(tier, n):
+@helper
+def _pop_free(tm, n):
     """Where the next ``n`` slots start on the free stack (the last ``n`` pushed, in
     push order); they are taken."""
-    tm = tier[5]
     tm[NFREE] -= n
     return tm[NFREE]
 
 
-@inline
-def _evict(ix, tier, s, counters, tcode):
+@helper
+def _evict(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, s, counters, tcode):
     """Drop the row in slot ``s`` (to disk) from the tier and the index."""
-    t = tier[0][s]
+    t = kt[s]
     counters[t, tcode, _EVICTIONS] += 1
-    if tier[2][s]:
+    if dirty[s]:
         counters[t, tcode, _WRITEBACKS] += 1
-    meta, offsets, slot_of, rev, tab = ix
-    remove1(meta, slot_of, rev, tab, tier[5][BASE] + s)
-    _free(tier, s)
+    remove1(meta, slot_of, rev, tab, tm[BASE] + s)
+    _free(kt, dirty, pins, free, tm, s)
 
 
-@inline
-def _save(ix, tier, pol, s, ws, j):
+@helper
+def _save(rev, kt, kk, dirty, pins, free, tm, key, score, uses, s, ws, wsf, j):
     """Save the row of slot ``s`` (keys, dirty bit, pins, policy state, index entry) in
     column ``j`` of the workspace, and empty the slot."""
-    ws[SV_T, j] = tier[0][s]
-    ws[SV_K, j] = tier[1][s]
-    ws[SV_DIRTY, j] = 1 if tier[2][s] else 0
-    ws[SV_PINS, j] = tier[3][s]
-    ws[SV_KEY, j] = pol[0][s]
-    ws[SV_SCORE].view(np.float64)[j] = pol[1][s]
-    ws[SV_USES, j] = pol[2][s]
-    rev = ix[3]
-    g = tier[5][BASE] + s
+    ws[SV_T, j] = kt[s]
+    ws[SV_K, j] = kk[s]
+    ws[SV_DIRTY, j] = 1 if dirty[s] else 0
+    ws[SV_PINS, j] = pins[s]
+    ws[SV_KEY, j] = key[s]
+    wsf[j] = score[s]
+    ws[SV_USES, j] = uses[s]
+    g = tm[BASE] + s
     ws[ENTRY, j] = rev[g]
     rev[g] = -1
-    _free(tier, s)
+    _free(kt, dirty, pins, free, tm, s)
 
 
-@inline
-def _restore(ix, tier, pol, d, ws, j):
+@helper
+def _restore(meta, slot_of, rev, tab, kt, kk, dirty, pins, tm, key, score, uses, rm, hk, hs, d, ws, wsf, j):
     """Put the row saved in column ``j`` into free slot ``d``; re-point its index entry."""
-    tier[0][d] = ws[SV_T, j]
-    tier[1][d] = ws[SV_K, j]
-    tier[2][d] = ws[SV_DIRTY, j] != 0
+    kt[d] = ws[SV_T, j]
+    kk[d] = ws[SV_K, j]
+    dirty[d] = ws[SV_DIRTY, j] != 0
     p = ws[SV_PINS, j]
-    tier[3][d] = p
+    pins[d] = p
     if p > 0:
-        tier[5][NPINNED] += 1
-    pol[1][d] = ws[SV_SCORE].view(np.float64)[j]
-    pol[2][d] = ws[SV_USES, j]
-    set_key(pol, d, ws[SV_KEY, j])
-    meta, offsets, slot_of, rev, tab = ix
-    repoint1(meta, slot_of, rev, tab, ws[ENTRY, j], tier[5][BASE] + d)
+        tm[NPINNED] += 1
+    score[d] = wsf[j]
+    uses[d] = ws[SV_USES, j]
+    set_key(key, rm, hk, hs, d, ws[SV_KEY, j])
+    repoint1(meta, slot_of, rev, tab, ws[ENTRY, j], tm[BASE] + d)
 
 
-@inline
-def _new(ix, tier, pol, d, t, k, clock, count):
+@helper
+def _new(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, tm, key, score, uses, params, rm, hk, hs,
+         d, t, k, clock, count):
     """A row entering the tiers (from disk or the initialiser) into free slot ``d``."""
-    tier[0][d] = t
-    tier[1][d] = k
-    tier[2][d] = False
-    tier[3][d] = 0
-    meta, offsets, slot_of, rev, tab = ix
-    insert1(meta, offsets, slot_of, rev, tab, t, k, tier[5][BASE] + d)
-    touch(pol, d, clock, count, True)
+    kt[d] = t
+    kk[d] = k
+    dirty[d] = False
+    pins[d] = 0
+    insert1(meta, offsets, slot_of, rev, tab, t, k, tm[BASE] + d)
+    touch(key, score, uses, params, rm, hk, hs, d, clock, count, True)
 
 
-@inline
+@helper
 def _account(bt, counts, g, mi, m, D, ws, res, counters):
     """Lookups, hits and misses per table and tier of an accounted placement."""
     j = 0
@@ -270,6 +285,106 @@ def _account(bt, counts, g, mi, m, D, ws, res, counters):
         counters[t, _DISK, _HITS if found[j] else _MISSES] += 1
 
 
+@helper
+def commit_(meta, offsets, slot_of, rev, tab,
+            dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
+            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
+            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
+            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
+            bt, bk, clock, counts, account, ws, res, counters):
+    """:func:`commit` over arrays."""
+    U = bk.size
+    D = dtm[CAP]
+    Hb = htm[BASE]
+    g, mi, slot, ondev, moved = ws[G], ws[MI], ws[SLOT], ws[ONDEV], ws[MOVED]
+    wsf = ws[SV_SCORE].view(np.float64)  # saved scores (float64 bits)
+    m = res[M]
+    for i in range(U):
+        gi = g[i]
+        moved[i] = 0
+        if gi >= 0 and gi < D:
+            slot[i] = gi
+            ondev[i] = 1
+            if account:
+                touch(dkey, dscore, duses, dparams, drm, dhk, dhs, gi, clock[i], counts[i], False)
+    if account:
+        _account(bt, counts, g, mi, m, D, ws, res, counters)
+    if m == 0:
+        return
+    n_move, n_skip, n_vd = res[N_MOVE], res[N_SKIP], res[N_VD]
+    vd, vh = ws[VD], ws[VH]
+    for j in range(res[N_VH]):
+        _evict(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, vh[j], counters, _HOST)
+    for j in range(n_skip):
+        _evict(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd[j], counters, _DEV)
+    # rows changing tier keep their index entries; saved before any slot is reused
+    up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
+    na = 0
+    for j in range(n_move):
+        gi = g[mi[j]]
+        if gi >= D:
+            up_src[na] = gi - Hb
+            _save(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, gi - Hb, ws, wsf, na)
+            na += 1
+    nd = n_vd - n_skip
+    for j in range(nd):
+        s = vd[n_skip + j]
+        dn_src[j] = s
+        t = dkt[s]
+        counters[t, _DEV, _EVICTIONS] += 1
+        if ddirty[s]:
+            counters[t, _DEV, _WRITEBACKS] += 1
+        _save(rev, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, s, ws, wsf, na + j)
+    base = _pop_free(dtm, na)
+    for j in range(na):
+        up_dst[j] = dfree[base + j]
+        _restore(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dtm, dkey, dscore, duses, drm, dhk, dhs,
+                 up_dst[j], ws, wsf, j)
+    base = _pop_free(htm, nd)
+    for j in range(nd):
+        dn_dst[j] = hfree[base + j]
+        _restore(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, htm, hkey, hscore, huses, hrm, hhk, hhs,
+                 dn_dst[j], ws, wsf, na + j)
+    res[N_UP], res[N_DN] = na, nd
+    new_dst = ws[NEW_DST]
+    ja = 0
+    jd = 0
+    base = _pop_free(dtm, res[NB])
+    for j in range(n_move):
+        i = mi[j]
+        moved[i] = 1
+        ondev[i] = 1
+        if g[i] >= D:
+            slot[i] = up_dst[ja]
+            if account:
+                touch(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst[ja], clock[i], counts[i], False)
+            ja += 1
+        else:
+            d = dfree[base + jd]
+            _new(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dtm, dkey, dscore, duses, dparams,
+                 drm, dhk, dhs, d, bt[i], bk[i], clock[i], counts[i])
+            slot[i] = d
+            new_dst[jd] = d
+            jd += 1
+    base = _pop_free(htm, res[NE])
+    je = 0
+    for j in range(n_move, m):
+        i = mi[j]
+        ondev[i] = 0
+        if g[i] >= D:
+            slot[i] = g[i] - Hb
+            if account:
+                touch(hkey, hscore, huses, hparams, hrm, hhk, hhs, g[i] - Hb, clock[i], counts[i], False)
+        else:
+            d = hfree[base + je]
+            je += 1
+            _new(meta, offsets, slot_of, rev, tab, hkt, hkk, hdirty, hpins, htm, hkey, hscore, huses, hparams,
+                 hrm, hhk, hhs, d, bt[i], bk[i], clock[i], counts[i])
+            slot[i] = d
+            new_dst[jd] = Hb + d
+            jd += 1
+
+
 @kernel
 def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
     """Apply a plan from :func:`decide` (after its I/O: ``ws[FOUND][j]`` tells whether
@@ -282,95 +397,20 @@ def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, c
     never uses them).  ``clock, counts``: int64 ``[U]``; ``counters``: int64
     ``[tables, 3, 5]``.
     """
-    U = bk.size
-    D = dev[5][CAP]
-    Hb = host[5][BASE]
-    g, mi, slot, ondev, moved = ws[G], ws[MI], ws[SLOT], ws[ONDEV], ws[MOVED]
-    m = res[M]
-    for i in range(U):
-        gi = g[i]
-        moved[i] = 0
-        if gi >= 0 and gi < D:
-            slot[i] = gi
-            ondev[i] = 1
-            if account:
-                touch(dpol, gi, clock[i], counts[i], False)
-    if account:
-        _account(bt, counts, g, mi, m, D, ws, res, counters)
-    if m == 0:
-        return
-    n_move, n_skip, n_vd = res[N_MOVE], res[N_SKIP], res[N_VD]
-    vd, vh = ws[VD], ws[VH]
-    for j in range(res[N_VH]):
-        _evict(ix, host, vh[j], counters, _HOST)
-    for j in range(n_skip):
-        _evict(ix, dev, vd[j], counters, _DEV)
-    # rows changing tier keep their index entries; saved before any slot is reused
-    up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
-    na = 0
-    for j in range(n_move):
-        gi = g[mi[j]]
-        if gi >= D:
-            up_src[na] = gi - Hb
-            _save(ix, host, hpol, gi - Hb, ws, na)
-            na += 1
-    nd = n_vd - n_skip
-    for j in range(nd):
-        s = vd[n_skip + j]
-        dn_src[j] = s
-        t = dev[0][s]
-        counters[t, _DEV, _EVICTIONS] += 1
-        if dev[2][s]:
-            counters[t, _DEV, _WRITEBACKS] += 1
-        _save(ix, dev, dpol, s, ws, na + j)
-    base = _pop_free(dev, na)
-    for j in range(na):
-        up_dst[j] = dev[4][base + j]
-        _restore(ix, dev, dpol, up_dst[j], ws, j)
-    base = _pop_free(host, nd)
-    for j in range(nd):
-        dn_dst[j] = host[4][base + j]
-        _restore(ix, host, hpol, dn_dst[j], ws, na + j)
-    res[N_UP], res[N_DN] = na, nd
-    new_dst = ws[NEW_DST]
-    ja = 0
-    jd = 0
-    base = _pop_free(dev, res[NB])
-    for j in range(n_move):
-        i = mi[j]
-        moved[i] = 1
-        ondev[i] = 1
-        if g[i] >= D:
-            slot[i] = up_dst[ja]
-            if account:
-                touch(dpol, up_dst[ja], clock[i], counts[i], False)
-            ja += 1
-        else:
-            d = dev[4][base + jd]
-            _new(ix, dev, dpol, d, bt[i], bk[i], clock[i], counts[i])
-            slot[i] = d
-            new_dst[jd] = d
-            jd += 1
-    base = _pop_free(host, res[NE])
-    je = 0
-    for j in range(n_move, m):
-        i = mi[j]
-        ondev[i] = 0
-        if g[i] >= D:
-            slot[i] = g[i] - Hb
-            if account:
-                touch(hpol, g[i] - Hb, clock[i], counts[i], False)
-        else:
-            d = host[4][base + je]
-            je += 1
-            _new(ix, host, hpol, d, bt[i], bk[i], clock[i], counts[i])
-            slot[i] = d
-            new_dst[jd] = Hb + d
-            jd += 1
+    meta, offsets, slot_of, rev, tab = ix
+    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
+    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
+    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
+    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
+    commit_(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
+            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
+            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
+            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
+            bt, bk, clock, counts, account, ws, res, counters)
 
 
 @kernel
 def abort(dpol, hpol):
     """A plan was decided but its I/O failed: forget the reservoirs (victims left them)."""
-    drop(dpol)
-    drop(hpol)
+    drop(dpol[4])
+    drop(hpol[4])

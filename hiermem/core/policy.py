@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import inline, kernel
+from .jit import helper, kernel
 from .victims import drop, set_key
 
 LRU, LFU, LFU_DECAY, LOOKAHEAD = 0, 1, 2, 3
@@ -36,7 +36,7 @@ PROBATION = float(2 ** 41)  # lfu_decay: below any log2 score reached
 _LN2 = 0.6931471805599453
 
 
-@inline
+@helper
 def f2key(x):
     """An int64 with the order of float64 ``x`` (no NaN)."""
     b = _bits(x)
@@ -45,20 +45,20 @@ def f2key(x):
     return b
 
 
-@inline
+@helper
 def _bits(x):
     a = np.empty(1, dtype=np.float64)
     a[0] = x
     return a.view(np.int64)[0]
 
 
-@inline
+@helper
 def _logaddexp2(a, b):
     m = max(a, b)
     return m + np.log1p(2.0 ** (min(a, b) - m)) / _LN2
 
 
-@inline
+@helper
 def new_key(params, key, score, uses, s, clock, count, insert):
     """The key of slot ``s`` after an access (``insert``: the row just entered the
     tiers) of ``count`` uses, the last at ``clock``; updates ``score``/``uses``."""
@@ -82,36 +82,29 @@ def new_key(params, key, score, uses, s, clock, count, insert):
     return f2key(v)
 
 
-@inline
-def touch(pol, s, clock, count, insert):
+@helper
+def touch(key, score, uses, params, rm, hk, hs, s, clock, count, insert):
     """Apply :func:`new_key` to slot ``s`` through the victim search's bookkeeping."""
-    key, score, uses, params = pol[0], pol[1], pol[2], pol[3]
-    set_key(pol, s, new_key(params, key, score, uses, s, clock, count, insert))
-
-
-@inline
-def carry(src, s, dst, d):
-    """Slot ``d`` of policy state ``dst`` takes the state of slot ``s`` of ``src``."""
-    dst[1][d] = src[1][s]
-    dst[2][d] = src[2][s]
-    set_key(dst, d, src[0][s])
+    set_key(key, rm, hk, hs, s, new_key(params, key, score, uses, s, clock, count, insert))
 
 
 @kernel
 def access(pol, slots, clock, counts, insert):
-    """Batch form of :func:`touch`: ``slots, clock, counts`` int64 ``[n]``."""
+    """:func:`touch` for a batch of slots: ``slots, clock, counts`` int64 ``[n]``."""
+    key, score, uses, params, rm, _, _, hk, hs, _, _ = pol
     for i in range(slots.size):
-        touch(pol, slots[i], clock[i], counts[i], insert)
+        touch(key, score, uses, params, rm, hk, hs, slots[i], clock[i], counts[i], insert)
 
 
 @kernel
-def carry_in(pol, slots, key, score, uses):
+def carry_in(pol, slots, key_in, score_in, uses_in):
     """Slots take carried state (``key, score, uses`` per slot, int64/float64/int64)."""
+    key, score, uses, _, rm, _, _, hk, hs, _, _ = pol
     for i in range(slots.size):
         s = slots[i]
-        pol[1][s] = score[i]
-        pol[2][s] = uses[i]
-        set_key(pol, s, key[i])
+        score[s] = score_in[i]
+        uses[s] = uses_in[i]
+        set_key(key, rm, hk, hs, s, key_in[i])
 
 
 @kernel
@@ -126,7 +119,7 @@ def lookahead_keys(pol, slots):
         key[s] &= SOON - 1
     for i in range(slots.size):
         key[slots[i]] |= SOON
-    drop(pol)
+    drop(pol[4])
 
 
 def incremental(kind: int) -> bool:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import kernel
-from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit,
-                   decide)
+from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_,
+                   decide_)
 
 # hiermem.stats.IO positions used here
 _H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
@@ -27,6 +27,11 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
     row of each table (index keys are ``(table, row - row_base[table])``); ``written``
     (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
     ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied)."""
+    meta, offsets_, slot_of, rev, tab = ix
+    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
+    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
+    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
+    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
     nmax = 0
     for i in range(offsets.size - 1):
         nmax = max(nmax, offsets[i + 1] - offsets[i])
@@ -34,8 +39,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
     bk = np.empty(nmax, dtype=np.int64)
     clock = np.empty(nmax, dtype=np.int64)
     counts = np.empty(nmax, dtype=np.int64)
-    D = dev[5][2]
-    Hb = host[5][3]
+    D = dtm[2]
     c0 = clock0
     for i in range(offsets.size - 1):
         a, b = offsets[i], offsets[i + 1]
@@ -62,7 +66,10 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
                 counts[u - 1] += 1
                 clock[u - 1] = c0 + order[j]  # stable: the last of a run is the last occurrence
         t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
-        decide(ix, dev, dpol, host, hpol, t_, k_, ws, res)
+        decide_(meta, offsets_, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
+                dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
+                hkt, hkk, hdirty, hpins, hfree, htm, hmark,
+                hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, t_, k_, ws, res)
         if res[STATUS] == CAPACITY:
             return -1 - i
         disk, found = ws[DISK], ws[FOUND]
@@ -74,20 +81,26 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
         wb = ws[WB]
         for j in range(res[N_WB]):
             s = wb[j]
-            tier = host if s >= D else dev
-            s -= tier[5][3]
-            written[row_base[tier[0][s]] + tier[1][s]] = 1
+            if s >= D:
+                s -= htm[3]
+                written[row_base[hkt[s]] + hkk[s]] = 1
+            else:
+                written[row_base[dkt[s]] + dkk[s]] = 1
         io[_H2DISK] += res[N_WB] * row_bytes
-        commit(ix, dev, dpol, host, hpol, t_, k_, cl_, cn_, True, ws, res, counters)
+        commit_(meta, offsets_, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
+                dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
+                hkt, hkk, hdirty, hpins, hfree, htm, hmark,
+                hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
+                t_, k_, cl_, cn_, True, ws, res, counters)
         io[_D2H] += res[N_DN] * row_bytes
         io[_H2D] += (res[N_UP] + res[NB]) * row_bytes
         if updates:
             slot, ondev = ws[SLOT], ws[ONDEV]
             for j in range(u):
                 if ondev[j]:
-                    dev[2][slot[j]] = True
+                    ddirty[slot[j]] = True
                 else:
-                    host[2][slot[j]] = True
+                    hdirty[slot[j]] = True
             io[_UPDATES] += 1
             io[_UPDATED] += u
         c0 += n

@@ -15,8 +15,8 @@ the heap.  When both run out (or the heap overflows) the reservoir is rebuilt by
 pass.  A one-access batch (a per-access trace) costs amortised O(1) for LRU and
 O(log n) for LFU.
 
-``pol`` is the policy state tuple ``(key, score, uses, params, rmeta, run_s, run_k,
-heap_k, heap_s, side_k, side_s)``; ``rmeta`` (int64 ``[8]``): valid, tau, pos, run
+``pol`` is the policy state tuple ``(key, score, uses, params, rm, run_s, run_k,
+hk, hs, sk, ss)`` (the helpers take its arrays one by one, see :mod:`hiermem.core.jit`); ``rmeta`` (int64 ``[8]``): valid, tau, pos, run
 length, heap length, builds, scans, and 1 to always scan (a reference for tests).  Evictable = occupied (``keys_t >= 0``), unpinned,
 ``mark == 0`` (the caller marks the batch's own slots).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import inline, kernel
+from .jit import helper, kernel
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
@@ -41,20 +41,19 @@ def heap_capacity(capacity: int) -> int:
     return max(1 << 16, capacity // 4)
 
 
-@inline
-def drop(pol):
+@helper
+def drop(rm):
     """Forget the reservoir (the next search rebuilds it)."""
-    rm = pol[4]
     rm[_VALID] = 0
     rm[_HLEN] = 0
 
 
-@inline
+@helper
 def _less(k1, s1, k2, s2):
     return k1 < k2 or (k1 == k2 and s1 < s2)
 
 
-@inline
+@helper
 def _push(hk, hs, n, k, s):
     i = n
     while i > 0:
@@ -69,7 +68,7 @@ def _push(hk, hs, n, k, s):
     hs[i] = s
 
 
-@inline
+@helper
 def _pop(hk, hs, n):
     """Remove the top of a heap of ``n`` entries (``n >= 1``)."""
     n -= 1
@@ -92,35 +91,22 @@ def _pop(hk, hs, n):
         hs[i] = s
 
 
-@inline
-def set_key(pol, s, k):
+@helper
+def set_key(key, rm, hk, hs, s, k):
     """``key[s] = k``, keeping the reservoir's invariant."""
-    pol[0][s] = k
-    rm = pol[4]
+    key[s] = k
     if rm[_VALID] and k <= rm[_TAU]:
-        hk, hs = pol[7], pol[8]
         n = rm[_HLEN]
         if n >= hk.size:  # no evictions for long: let it go
-            drop(pol)
+            drop(rm)
         else:
             _push(hk, hs, n, k, s)
             rm[_HLEN] = n + 1
 
 
-@inline
-def _current(key, keys_t, s, k):
-    return keys_t[s] >= 0 and key[s] == k
-
-
-@inline
-def _ok(keys_t, pins, mark, s):
-    return keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0
-
-
-@kernel
-def build(pol, keys_t, r):
+@helper
+def build_(key, rm, run_s, run_k, keys_t, r):
     """A reservoir of the ``r`` occupied slots of smallest key (and all their ties)."""
-    key, rm, run_s, run_k = pol[0], pol[4], pol[5], pol[6]
     occ = 0
     for s in range(keys_t.size):
         if keys_t[s] >= 0:
@@ -156,19 +142,18 @@ def build(pol, keys_t, r):
     rm[_BUILDS] += 1
 
 
-@kernel
-def scan(pol, keys_t, pins, mark, n, out):
+@helper
+def scan_(key, rm, keys_t, pins, mark, n, out):
     """Victims by a pass over the tier; returns how many were found (< n: too few)."""
-    key = pol[0]
     m = 0
     for s in range(keys_t.size):
-        if _ok(keys_t, pins, mark, s):
+        if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
             m += 1
     ks = np.empty(m, dtype=np.int64)
     ss = np.empty(m, dtype=np.int64)
     j = 0
     for s in range(keys_t.size):
-        if _ok(keys_t, pins, mark, s):
+        if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
             ks[j] = key[s]
             ss[j] = s
             j += 1
@@ -176,14 +161,13 @@ def scan(pol, keys_t, pins, mark, n, out):
     got = min(n, m)
     for i in range(got):
         out[i] = ss[o[i]]
-    pol[4][_SCANS] += 1
+    rm[_SCANS] += 1
     return got
 
 
-@inline
-def _walk(pol, keys_t, pins, mark, n, out):
+@helper
+def _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out):
     """Victims from the reservoir, merged from the run and the heap; the number found."""
-    key, rm, run_s, run_k, hk, hs, sk, ss = pol[0], pol[4], pol[5], pol[6], pol[7], pol[8], pol[9], pol[10]
     found = 0
     i = rm[_POS]
     rlen = rm[_RLEN]
@@ -192,9 +176,9 @@ def _walk(pol, keys_t, pins, mark, n, out):
     while found < n:
         while i < rlen:  # the next current, evictable run entry
             s = run_s[i]
-            if _current(key, keys_t, s, run_k[i]):
+            if keys_t[s] >= 0 and key[s] == run_k[i]:
                 lead = False
-                if _ok(keys_t, pins, mark, s):
+                if pins[s] == 0 and mark[s] == 0:
                     break
             elif lead:  # stale entries at the front are gone for good
                 rm[_POS] = i + 1
@@ -202,10 +186,10 @@ def _walk(pol, keys_t, pins, mark, n, out):
         while rm[_HLEN] > 0:  # the heap's top, if current and evictable
             s = hs[0]
             k = hk[0]
-            if not _current(key, keys_t, s, k):
+            if keys_t[s] < 0 or key[s] != k:
                 _pop(hk, hs, rm[_HLEN])
                 rm[_HLEN] -= 1
-            elif not _ok(keys_t, pins, mark, s):  # held: set aside, pushed back below
+            elif pins[s] != 0 or mark[s] != 0:  # held: set aside, pushed back below
                 sk[nside] = k
                 ss[nside] = s
                 nside += 1
@@ -234,28 +218,41 @@ def _walk(pol, keys_t, pins, mark, n, out):
     return found
 
 
-@kernel
-def victims(pol, keys_t, pins, mark, n, evictable, occupancy, out):
+@helper
+def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable, occupancy, out):
     """``out[:n]`` = the ``n`` evictable slots with the smallest ``(key, slot)``, in that
     order; ``evictable`` of ``occupancy`` occupied slots are.  Returns the number found
     (``n``, or fewer when fewer are evictable).  ``out``: int64 ``[>= n]``."""
     if n <= 0:
         return 0
     if evictable < n:
-        return scan(pol, keys_t, pins, mark, n, out)
+        return scan_(key, rm, keys_t, pins, mark, n, out)
     held = occupancy - evictable
     r = max(8 * n, occupancy // FRACTION, 4096) + held
-    if np.int64(pol[3][0]) == 3 or r >= occupancy or pol[4][SCAN_ONLY]:  # lookahead; small tiers
-        drop(pol)
-        return scan(pol, keys_t, pins, mark, n, out)
+    if np.int64(params[0]) == 3 or r >= occupancy or rm[SCAN_ONLY]:  # lookahead; small tiers
+        drop(rm)
+        return scan_(key, rm, keys_t, pins, mark, n, out)
     for _attempt in range(2):
-        if pol[4][_VALID] == 0:
-            build(pol, keys_t, r)
-        got = _walk(pol, keys_t, pins, mark, n, out)
+        if rm[_VALID] == 0:
+            build_(key, rm, run_s, run_k, keys_t, r)
+        got = _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out)
         if got == n:
             return got
-        drop(pol)
-    return scan(pol, keys_t, pins, mark, n, out)
+        drop(rm)
+    return scan_(key, rm, keys_t, pins, mark, n, out)
+
+
+@kernel
+def victims(pol, keys_t, pins, mark, n, evictable, occupancy, out):
+    """:func:`victims_` over a policy state tuple."""
+    key, _, _, params, rm, run_s, run_k, hk, hs, sk, ss = pol
+    return victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable, occupancy, out)
+
+
+@kernel
+def scan(pol, keys_t, pins, mark, n, out):
+    """:func:`scan_` over a policy state tuple."""
+    return scan_(pol[0], pol[4], keys_t, pins, mark, n, out)
 
 
 @kernel

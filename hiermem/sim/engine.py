@@ -191,14 +191,22 @@ class _Batches:
         dense, table_of_row = dense_rows(trace)
         self.num_rows = table_of_row.size
         self.table_of_row = torch.from_numpy(table_of_row)
+        self._offsets = None
         sizes = np.bincount(table_of_row, minlength=len(trace.tables)) if table_of_row.size else \
             np.zeros(len(trace.tables), dtype=np.int64)
         self.sizes = [int(x) for x in sizes]
         self.row_base = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         self.dense = torch.from_numpy(dense)
-        self.offsets = trace.batch_offsets.tolist()
+        self.offsets_np = trace.batch_offsets
         self.n = trace.num_batches
-        self.max_batch = int(np.diff(trace.batch_offsets).max()) if self.n else 1
+        self.max_batch = int(np.diff(self.offsets_np).max()) if self.n else 1
+
+    @property
+    def offsets(self) -> list[int]:
+        """Batch offsets as Python ints (the prefetch replay's per-batch slicing)."""
+        if self._offsets is None:
+            self._offsets = self.offsets_np.tolist()
+        return self._offsets
 
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(rows, counts, lastpos, n)`` of batch ``i`` (as ``HierarchicalStore._batch``)."""
@@ -365,7 +373,7 @@ class Simulator:
             raise AssertionError("lookahead replays go through _run_prefetch")
         b, dev, host = self.b, self._dev, self._host
         out = replay(self._keys.arrays, dev.state, dev.policy.state, host.state, host.policy.state,
-                     b.dense.numpy(), np.asarray(b.offsets, dtype=np.int64), b.table_of_row.numpy(), b.row_base,
+                     b.dense.numpy(), b.offsets_np, b.table_of_row.numpy(), b.row_base,
                      self._written, bool(self.updates), self.counters.table.numpy(), self._io,
                      self.config.row_bytes, *_plan.workspace(b.max_batch), self._clock)
         if out < 0:

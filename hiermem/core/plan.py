@@ -28,7 +28,7 @@ import numpy as np
 
 from .index import find1, insert1, remove1, repoint1
 from .jit import helper, kernel
-from .policy import touch
+from .policy import LFU_DECAY, touch
 from .victims import drop, set_key, victims_
 
 # workspace rows
@@ -198,68 +198,94 @@ def _free(kt, dirty, pins, free, tm, s):
     tm[NFREE] += 1
 
 
+# The helpers below work on a whole list of slots per call: a call passes each array
+# separately (tens of ns apiece), so per-row calls would cost more than the rows' work.
+
 @helper
-def _pop_free(tm, n):
-    """Where the next ``n`` slots start on the free stack (the last ``n`` pushed, in
-    push order); they are taken."""
+def _touch_many(key, score, uses, params, rm, hk, hs, slots, pos, n, clock, counts, insert):
+    """:func:`touch` slots ``slots[j]`` with the clock and count of batch row ``pos[j]``."""
+    for j in range(n):
+        i = pos[j]
+        touch(key, score, uses, params, rm, hk, hs, slots[j], clock[i], counts[i], insert)
+
+
+@helper
+def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, counters, tcode):
+    """Drop the rows in ``slots[:n]`` (to disk) from the tier and the index."""
+    for j in range(n):
+        s = slots[j]
+        t = kt[s]
+        counters[t, tcode, _EVICTIONS] += 1
+        if dirty[s]:
+            counters[t, tcode, _WRITEBACKS] += 1
+        remove1(meta, slot_of, rev, tab, tm[BASE] + s)
+        _free(kt, dirty, pins, free, tm, s)
+
+
+@helper
+def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slots, n, ws, wsf, j0):
+    """Save the rows of ``slots[:n]`` (keys, dirty bit, pins, policy state, index entry) in
+    workspace columns ``j0..``, and empty their slots."""
+    for j in range(n):
+        s = slots[j]
+        c = j0 + j
+        ws[SV_T, c] = kt[s]
+        ws[SV_K, c] = kk[s]
+        ws[SV_DIRTY, c] = 1 if dirty[s] else 0
+        ws[SV_PINS, c] = pins[s]
+        ws[SV_KEY, c] = key[s]
+        if extra:  # only lfu_decay keeps per-slot state beside its key
+            wsf[c] = score[s]
+            ws[SV_USES, c] = uses[s]
+        g = tm[BASE] + s
+        ws[ENTRY, c] = rev[g]
+        rev[g] = -1
+        _free(kt, dirty, pins, free, tm, s)
+
+
+@helper
+def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, extra, rm, hk, hs,
+                  n, dst, ws, wsf, j0):
+    """Put the rows saved in columns ``j0..j0+n`` into the next ``n`` free slots (written to
+    ``dst``), re-pointing their index entries."""
+    tm[NFREE] -= n  # the last n pushed, in push order
+    base = tm[NFREE]
+    for j in range(n):
+        d = free[base + j]
+        dst[j] = d
+        c = j0 + j
+        kt[d] = ws[SV_T, c]
+        kk[d] = ws[SV_K, c]
+        dirty[d] = ws[SV_DIRTY, c] != 0
+        p = ws[SV_PINS, c]
+        pins[d] = p
+        if p > 0:
+            tm[NPINNED] += 1
+        if extra:
+            score[d] = wsf[c]
+            uses[d] = ws[SV_USES, c]
+        set_key(key, rm, hk, hs, d, ws[SV_KEY, c])
+        repoint1(meta, slot_of, rev, tab, ws[ENTRY, c], tm[BASE] + d)
+
+
+@helper
+def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, params, rm, hk, hs,
+              pos, n, bt, bk, clock, counts, slot, new_dst, jd):
+    """Rows ``pos[:n]`` of the batch enter the tier (from disk or the initialiser) in the
+    next ``n`` free slots: ``slot[pos[j]]`` and ``new_dst[jd + j]`` (global) get them."""
     tm[NFREE] -= n
-    return tm[NFREE]
-
-
-@helper
-def _evict(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, s, counters, tcode):
-    """Drop the row in slot ``s`` (to disk) from the tier and the index."""
-    t = kt[s]
-    counters[t, tcode, _EVICTIONS] += 1
-    if dirty[s]:
-        counters[t, tcode, _WRITEBACKS] += 1
-    remove1(meta, slot_of, rev, tab, tm[BASE] + s)
-    _free(kt, dirty, pins, free, tm, s)
-
-
-@helper
-def _save(rev, kt, kk, dirty, pins, free, tm, key, score, uses, s, ws, wsf, j):
-    """Save the row of slot ``s`` (keys, dirty bit, pins, policy state, index entry) in
-    column ``j`` of the workspace, and empty the slot."""
-    ws[SV_T, j] = kt[s]
-    ws[SV_K, j] = kk[s]
-    ws[SV_DIRTY, j] = 1 if dirty[s] else 0
-    ws[SV_PINS, j] = pins[s]
-    ws[SV_KEY, j] = key[s]
-    wsf[j] = score[s]
-    ws[SV_USES, j] = uses[s]
-    g = tm[BASE] + s
-    ws[ENTRY, j] = rev[g]
-    rev[g] = -1
-    _free(kt, dirty, pins, free, tm, s)
-
-
-@helper
-def _restore(meta, slot_of, rev, tab, kt, kk, dirty, pins, tm, key, score, uses, rm, hk, hs, d, ws, wsf, j):
-    """Put the row saved in column ``j`` into free slot ``d``; re-point its index entry."""
-    kt[d] = ws[SV_T, j]
-    kk[d] = ws[SV_K, j]
-    dirty[d] = ws[SV_DIRTY, j] != 0
-    p = ws[SV_PINS, j]
-    pins[d] = p
-    if p > 0:
-        tm[NPINNED] += 1
-    score[d] = wsf[j]
-    uses[d] = ws[SV_USES, j]
-    set_key(key, rm, hk, hs, d, ws[SV_KEY, j])
-    repoint1(meta, slot_of, rev, tab, ws[ENTRY, j], tm[BASE] + d)
-
-
-@helper
-def _new(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, tm, key, score, uses, params, rm, hk, hs,
-         d, t, k, clock, count):
-    """A row entering the tiers (from disk or the initialiser) into free slot ``d``."""
-    kt[d] = t
-    kk[d] = k
-    dirty[d] = False
-    pins[d] = 0
-    insert1(meta, offsets, slot_of, rev, tab, t, k, tm[BASE] + d)
-    touch(key, score, uses, params, rm, hk, hs, d, clock, count, True)
+    base = tm[NFREE]
+    for j in range(n):
+        d = free[base + j]
+        i = pos[j]
+        kt[d] = bt[i]
+        kk[d] = bk[i]
+        dirty[d] = False
+        pins[d] = 0
+        insert1(meta, offsets, slot_of, rev, tab, bt[i], bk[i], tm[BASE] + d)
+        touch(key, score, uses, params, rm, hk, hs, d, clock[i], counts[i], True)
+        slot[i] = d
+        new_dst[jd + j] = tm[BASE] + d
 
 
 @helper
@@ -298,25 +324,27 @@ def commit_(meta, offsets, slot_of, rev, tab,
     Hb = htm[BASE]
     g, mi, slot, ondev, moved = ws[G], ws[MI], ws[SLOT], ws[ONDEV], ws[MOVED]
     wsf = ws[SV_SCORE].view(np.float64)  # saved scores (float64 bits)
+    pos, sl = ws[SV_T], ws[SV_K]  # scratch until rows are saved: positions, slots
     m = res[M]
+    nh = 0
     for i in range(U):
         gi = g[i]
         moved[i] = 0
         if gi >= 0 and gi < D:
             slot[i] = gi
             ondev[i] = 1
-            if account:
-                touch(dkey, dscore, duses, dparams, drm, dhk, dhs, gi, clock[i], counts[i], False)
+            pos[nh] = i
+            sl[nh] = gi
+            nh += 1
     if account:
+        _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, sl, pos, nh, clock, counts, False)
         _account(bt, counts, g, mi, m, D, ws, res, counters)
     if m == 0:
         return
     n_move, n_skip, n_vd = res[N_MOVE], res[N_SKIP], res[N_VD]
-    vd, vh = ws[VD], ws[VH]
-    for j in range(res[N_VH]):
-        _evict(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, vh[j], counters, _HOST)
-    for j in range(n_skip):
-        _evict(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd[j], counters, _DEV)
+    vd = ws[VD]
+    _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, _HOST)
+    _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, _DEV)
     # rows changing tier keep their index entries; saved before any slot is reused
     up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
     na = 0
@@ -324,7 +352,6 @@ def commit_(meta, offsets, slot_of, rev, tab,
         gi = g[mi[j]]
         if gi >= D:
             up_src[na] = gi - Hb
-            _save(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, gi - Hb, ws, wsf, na)
             na += 1
     nd = n_vd - n_skip
     for j in range(nd):
@@ -334,55 +361,49 @@ def commit_(meta, offsets, slot_of, rev, tab,
         counters[t, _DEV, _EVICTIONS] += 1
         if ddirty[s]:
             counters[t, _DEV, _WRITEBACKS] += 1
-        _save(rev, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, s, ws, wsf, na + j)
-    base = _pop_free(dtm, na)
-    for j in range(na):
-        up_dst[j] = dfree[base + j]
-        _restore(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dtm, dkey, dscore, duses, drm, dhk, dhs,
-                 up_dst[j], ws, wsf, j)
-    base = _pop_free(htm, nd)
-    for j in range(nd):
-        dn_dst[j] = hfree[base + j]
-        _restore(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, htm, hkey, hscore, huses, hrm, hhk, hhs,
-                 dn_dst[j], ws, wsf, na + j)
+    extra = np.int64(dparams[0]) == LFU_DECAY
+    _save_many(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, up_src, na, ws, wsf, 0)
+    _save_many(rev, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, dn_src, nd, ws, wsf, na)
+    _restore_many(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, drm, dhk,
+                  dhs, na, up_dst, ws, wsf, 0)
+    _restore_many(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, hrm, hhk,
+                  hhs, nd, dn_dst, ws, wsf, na)
     res[N_UP], res[N_DN] = na, nd
+    # where each miss lands; rows from disk in disk order (device ones first)
+    pa, pb, pc, pe = ws[WB], ws[SV_T], ws[SV_K], ws[SV_DIRTY]  # scratch (saved rows are placed)
+    sl = ws[SV_PINS]
+    ja = jb = jc = je = 0
+    for j in range(m):
+        i = mi[j]
+        if j < n_move:
+            moved[i] = 1
+            ondev[i] = 1
+            if g[i] >= D:
+                slot[i] = up_dst[ja]
+                pa[ja] = i
+                ja += 1
+            else:
+                pb[jb] = i
+                jb += 1
+        else:
+            ondev[i] = 0
+            if g[i] >= D:
+                slot[i] = g[i] - Hb
+                pc[jc] = i
+                sl[jc] = g[i] - Hb
+                jc += 1
+            else:
+                pe[je] = i
+                je += 1
     new_dst = ws[NEW_DST]
-    ja = 0
-    jd = 0
-    base = _pop_free(dtm, res[NB])
-    for j in range(n_move):
-        i = mi[j]
-        moved[i] = 1
-        ondev[i] = 1
-        if g[i] >= D:
-            slot[i] = up_dst[ja]
-            if account:
-                touch(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst[ja], clock[i], counts[i], False)
-            ja += 1
-        else:
-            d = dfree[base + jd]
-            _new(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dtm, dkey, dscore, duses, dparams,
-                 drm, dhk, dhs, d, bt[i], bk[i], clock[i], counts[i])
-            slot[i] = d
-            new_dst[jd] = d
-            jd += 1
-    base = _pop_free(htm, res[NE])
-    je = 0
-    for j in range(n_move, m):
-        i = mi[j]
-        ondev[i] = 0
-        if g[i] >= D:
-            slot[i] = g[i] - Hb
-            if account:
-                touch(hkey, hscore, huses, hparams, hrm, hhk, hhs, g[i] - Hb, clock[i], counts[i], False)
-        else:
-            d = hfree[base + je]
-            je += 1
-            _new(meta, offsets, slot_of, rev, tab, hkt, hkk, hdirty, hpins, htm, hkey, hscore, huses, hparams,
-                 hrm, hhk, hhs, d, bt[i], bk[i], clock[i], counts[i])
-            slot[i] = d
-            new_dst[jd] = Hb + d
-            jd += 1
+    if account:
+        _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst, pa, ja, clock, counts, False)
+    _new_many(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams,
+              drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, 0)
+    if account:
+        _touch_many(hkey, hscore, huses, hparams, hrm, hhk, hhs, sl, pc, jc, clock, counts, False)
+    _new_many(meta, offsets, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, hparams,
+              hrm, hhk, hhs, pe, je, bt, bk, clock, counts, slot, new_dst, jb)
 
 
 @kernel

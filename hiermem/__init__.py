@@ -34,3 +34,7 @@ __all__ = [
     "PlannerError", "PlannerTable", "ShardedEmbeddingBagCollection", "ShardingPlan", "ShardingType", "TierPlacement",
     "Topology", "launch_local",
 ]
+
+from .core.warm import ensure_compiled as _ensure_compiled  # noqa: E402
+
+_ensure_compiled()  # a fresh install compiles its kernels here, once, with a notice

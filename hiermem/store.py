@@ -6,10 +6,12 @@ copy is the latest value exactly when the row is not resident or is resident and
 ``where`` names the one place that holds each row's latest value: DEVICE, HOST, DISK, or
 INIT (never written: the deterministic initialiser's value).
 
-Every public method works on whole batches: a batch of ids is deduplicated once, tier
-membership comes from vectorised hash indexes, misses are read from LMDB in one batched
-read, dirty victims are written down in one transaction, and rows move between tiers as
-tensors.  Rows used by the current batch, or pinned, are never evicted by it.
+Every public method works on whole batches: a batch of ids is deduplicated once, its
+placement is decided and committed by the compiled control plane (:mod:`hiermem.core`:
+index, tiers' slot metadata, policies, victims, counters), misses are read from LMDB in
+one batched read, dirty victims are written down in one transaction, and the data plane
+copies records between the tier tensors.  Rows used by the current batch, or pinned, are
+never evicted by it.
 
 Thread-safety: every public method takes the store's re-entrant lock, so a prefetch
 thread, a metrics scrape and the training loop may share one store.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .jit import helper, kernel
+from .jit import helper, kernel, tiny
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -33,7 +33,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
-@helper
+@tiny
 def home(t, k, mask):
     """Home bucket of ``(t, k)``: splitmix64 of ``k ^ t * M1``, masked."""
     z = np.uint64(k) ^ (np.uint64(t) * _M1)
@@ -44,7 +44,7 @@ def home(t, k, mask):
     return np.int64(z & np.uint64(mask))
 
 
-@helper
+@tiny
 def find1(meta, offsets, slot_of, tab, t, k):
     """Slot of ``(t, k)``, or -1."""
     if meta[_KIND] == DIRECT:
@@ -60,7 +60,7 @@ def find1(meta, offsets, slot_of, tab, t, k):
         p = (p + 1) & mask
 
 
-@helper
+@tiny
 def _put_bucket(meta, tab, rev, t, k, v):
     mask = meta[_MASK]
     p = home(t, k, mask)
@@ -97,7 +97,7 @@ def rehash(meta, tab, rev):
         _put_bucket(meta, tab, rev, keep[j, 0], keep[j, 1], keep[j, 2])
 
 
-@helper
+@tiny
 def insert1(meta, offsets, slot_of, rev, tab, t, k, v):
     """Map ``(t, k)`` (known absent) to slot ``v``."""
     if meta[_KIND] == DIRECT:
@@ -111,7 +111,7 @@ def insert1(meta, offsets, slot_of, rev, tab, t, k, v):
     meta[_SIZE] += 1
 
 
-@helper
+@tiny
 def remove1(meta, slot_of, rev, tab, v):
     """Drop the key mapped to slot ``v``."""
     if meta[_KIND] == DIRECT:
@@ -123,7 +123,7 @@ def remove1(meta, slot_of, rev, tab, v):
     meta[_SIZE] -= 1
 
 
-@helper
+@tiny
 def repoint1(meta, slot_of, rev, tab, entry, v):
     """Point index entry ``entry`` (a ``rev`` value taken from a moved slot) at slot ``v``."""
     if meta[_KIND] == DIRECT:

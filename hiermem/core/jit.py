@@ -35,7 +35,7 @@ def _invalidate_stale_cache() -> None:
     try:
         if stamp.is_file() and stamp.read_text() == digest:
             return
-        for f in list(cache.glob("*.nbi")) + list(cache.glob("*.nbc")):
+        for f in list(cache.glob("*.nbi")) + list(cache.glob("*.nbc")) + [cache / "kernels.warm"]:
             f.unlink(missing_ok=True)
         cache.mkdir(exist_ok=True)
         stamp.write_text(digest)
@@ -44,11 +44,30 @@ def _invalidate_stale_cache() -> None:
 
 
 _invalidate_stale_cache()
+_WARM = Path(__file__).parent / "__pycache__" / "kernels.warm"
+
+
+def is_warm() -> bool:
+    """Whether every kernel was compiled and cached from the current sources."""
+    return _WARM.is_file()
+
+
+def mark_warm() -> None:
+    try:
+        _WARM.write_text("compiled\n")
+    except OSError:  # a read-only install
+        pass
 
 
 def kernel(fn):
     """Compile ``fn`` as a control-plane kernel (see the module docstring)."""
     return numba.njit(cache=True, nogil=True)(fn)
+
+
+def tiny(fn):
+    """A helper of a few lines, inlined into its callers at numba's IR level: a call
+    across compiled functions is never inlined by LLVM, and costs tens of ns."""
+    return numba.njit(cache=True, nogil=True, inline="always")(fn)
 
 
 def helper(fn):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find1, insert1, remove1, repoint1
-from .jit import helper, kernel
+from .jit import helper, kernel, tiny
 from .policy import LFU_DECAY, touch
 from .victims import drop, set_key, victims_
 
@@ -52,7 +52,7 @@ def workspace(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.empty((NROWS, 2 * max(1, n)), dtype=np.int64), np.zeros(NRES, dtype=np.int64)
 
 
-@helper
+@tiny
 def _mark_held(pins, mark, slots, base, n, flag):
     """Mark (flag 1) or clear (flag 0) tier slots ``slots[:n] - base``; returns how many
     of them are unpinned (the evictable ones the batch holds)."""
@@ -134,15 +134,20 @@ def decide_(meta, offsets, slot_of, rev, tab,
         res[STATUS] = CAPACITY
         return
     vd, vh = ws[VD], ws[VH]
-    got = victims_(dkey, dparams, drm, drs, drk, dhk, dhs, dsk, dss, dkt, dpins, dmark, n_vd, dev_ev, D - dnfree, vd)
-    assert got == n_vd
+    if n_vd:
+        got = victims_(dkey, dparams, drm, drs, drk, dhk, dhs, dsk, dss, dkt, dpins, dmark, n_vd, dev_ev, D - dnfree,
+                       vd)
+        assert got == n_vd
     n_skip = max(0, n_vd - room_h)
     n_vh = max(0, (n_vd - n_skip) + ne - hnfree - na)
-    got = victims_(hkey, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, hkt, hpins, hmark, n_vh, host_ev,
-                   htm[CAP] - hnfree, vh)
-    assert got == n_vh
-    _mark_held(dpins, dmark, hits, 0, nh, 0)
-    _mark_held(hpins, hmark, hheld, Hb, nhh, 0)
+    if n_vh:
+        got = victims_(hkey, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, hkt, hpins, hmark, n_vh, host_ev,
+                       htm[CAP] - hnfree, vh)
+        assert got == n_vh
+    if nh:
+        _mark_held(dpins, dmark, hits, 0, nh, 0)
+    if nhh:
+        _mark_held(hpins, hmark, hheld, Hb, nhh, 0)
     disk = ws[DISK]
     nd = 0
     for j in range(m):
@@ -186,7 +191,7 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
             hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, bt, bk, ws, res)
 
 
-@helper
+@tiny
 def _free(kt, dirty, pins, free, tm, s):
     """Empty slot ``s`` (pushed on the free stack)."""
     if pins[s] > 0:
@@ -337,14 +342,18 @@ def commit_(meta, offsets, slot_of, rev, tab,
             sl[nh] = gi
             nh += 1
     if account:
-        _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, sl, pos, nh, clock, counts, False)
+        if nh:
+            _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, sl, pos, nh, clock, counts, False)
         _account(bt, counts, g, mi, m, D, ws, res, counters)
     if m == 0:
         return
     n_move, n_skip, n_vd = res[N_MOVE], res[N_SKIP], res[N_VD]
     vd = ws[VD]
-    _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, _HOST)
-    _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, _DEV)
+    # (each helper call passes every array once, about a microsecond: skipped when idle)
+    if res[N_VH]:
+        _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, _HOST)
+    if n_skip:
+        _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, _DEV)
     # rows changing tier keep their index entries; saved before any slot is reused
     up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
     na = 0
@@ -362,12 +371,16 @@ def commit_(meta, offsets, slot_of, rev, tab,
         if ddirty[s]:
             counters[t, _DEV, _WRITEBACKS] += 1
     extra = np.int64(dparams[0]) == LFU_DECAY
-    _save_many(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, up_src, na, ws, wsf, 0)
-    _save_many(rev, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, dn_src, nd, ws, wsf, na)
-    _restore_many(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, drm, dhk,
-                  dhs, na, up_dst, ws, wsf, 0)
-    _restore_many(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, hrm, hhk,
-                  hhs, nd, dn_dst, ws, wsf, na)
+    if na:
+        _save_many(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, up_src, na, ws, wsf, 0)
+    if nd:
+        _save_many(rev, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, dn_src, nd, ws, wsf, na)
+    if na:
+        _restore_many(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, drm,
+                      dhk, dhs, na, up_dst, ws, wsf, 0)
+    if nd:
+        _restore_many(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, hrm,
+                      hhk, hhs, nd, dn_dst, ws, wsf, na)
     res[N_UP], res[N_DN] = na, nd
     # where each miss lands; rows from disk in disk order (device ones first)
     pa, pb, pc, pe = ws[WB], ws[SV_T], ws[SV_K], ws[SV_DIRTY]  # scratch (saved rows are placed)
@@ -396,14 +409,16 @@ def commit_(meta, offsets, slot_of, rev, tab,
                 pe[je] = i
                 je += 1
     new_dst = ws[NEW_DST]
-    if account:
+    if account and ja:
         _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst, pa, ja, clock, counts, False)
-    _new_many(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams,
-              drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, 0)
-    if account:
+    if jb:
+        _new_many(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams,
+                  drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, 0)
+    if account and jc:
         _touch_many(hkey, hscore, huses, hparams, hrm, hhk, hhs, sl, pc, jc, clock, counts, False)
-    _new_many(meta, offsets, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, hparams,
-              hrm, hhk, hhs, pe, je, bt, bk, clock, counts, slot, new_dst, jb)
+    if je:
+        _new_many(meta, offsets, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, hparams,
+                  hrm, hhk, hhs, pe, je, bt, bk, clock, counts, slot, new_dst, jb)
 
 
 @kernel

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import helper, kernel
+from .jit import helper, kernel, tiny
 from .victims import drop, set_key
 
 LRU, LFU, LFU_DECAY, LOOKAHEAD = 0, 1, 2, 3
@@ -36,7 +36,7 @@ PROBATION = float(2 ** 41)  # lfu_decay: below any log2 score reached
 _LN2 = 0.6931471805599453
 
 
-@helper
+@tiny
 def f2key(x):
     """An int64 with the order of float64 ``x`` (no NaN)."""
     b = _bits(x)
@@ -52,13 +52,13 @@ def _bits(x):
     return a.view(np.int64)[0]
 
 
-@helper
+@tiny
 def _logaddexp2(a, b):
     m = max(a, b)
     return m + np.log1p(2.0 ** (min(a, b) - m)) / _LN2
 
 
-@helper
+@tiny
 def new_key(params, key, score, uses, s, clock, count, insert):
     """The key of slot ``s`` after an access (``insert``: the row just entered the
     tiers) of ``count`` uses, the last at ``clock``; updates ``score``/``uses``."""
@@ -82,7 +82,7 @@ def new_key(params, key, score, uses, s, clock, count, insert):
     return f2key(v)
 
 
-@helper
+@tiny
 def touch(key, score, uses, params, rm, hk, hs, s, clock, count, insert):
     """Apply :func:`new_key` to slot ``s`` through the victim search's bookkeeping."""
     set_key(key, rm, hk, hs, s, new_key(params, key, score, uses, s, clock, count, insert))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .index import find1
 from .jit import kernel
+from .policy import touch
 from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_,
                    decide_)
 
@@ -49,8 +51,21 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
         if n == 1:
             u = 1
             r = rows[a]
-            bt[0] = table_of_row[r]
-            bk[0] = r - row_base[bt[0]]
+            t = table_of_row[r]
+            k = r - row_base[t]
+            s = find1(meta, offsets_, slot_of, tab, t, k)
+            if s >= 0 and s < D:  # a device hit: decide_ + commit_ reduce to this
+                counters[t, 0, 0] += 1
+                counters[t, 0, 1] += 1
+                touch(dkey, dscore, duses, dparams, drm, dhk, dhs, s, c0, 1, False)
+                if updates:
+                    ddirty[s] = True
+                    io[_UPDATES] += 1
+                    io[_UPDATED] += 1
+                c0 += 1
+                continue
+            bt[0] = t
+            bk[0] = k
             clock[0] = c0
             counts[0] = 1
         else:

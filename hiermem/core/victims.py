@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import helper, kernel
+from .jit import helper, kernel, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
@@ -41,14 +41,14 @@ def heap_capacity(capacity: int) -> int:
     return max(1 << 16, capacity // 4)
 
 
-@helper
+@tiny
 def drop(rm):
     """Forget the reservoir (the next search rebuilds it)."""
     rm[_VALID] = 0
     rm[_HLEN] = 0
 
 
-@helper
+@tiny
 def _less(k1, s1, k2, s2):
     return k1 < k2 or (k1 == k2 and s1 < s2)
 
@@ -91,7 +91,7 @@ def _pop(hk, hs, n):
         hs[i] = s
 
 
-@helper
+@tiny
 def set_key(key, rm, hk, hs, s, k):
     """``key[s] = k``, keeping the reservoir's invariant."""
     key[s] = k

@@ -1,14 +1,15 @@
-"""The trace simulator: the store's placement rule over zero-width rows.
+"""The trace simulator: the store's control plane with no data plane.
 
-It replays a trace at batch granularity through the *same* tier and policy classes the
-store uses (:class:`~hiermem.tiers.SlotTier` with zero-width records, policies built from
-the same :class:`~hiermem.eviction.PolicySpec`, the same :class:`~hiermem.stats.Counters`),
-with two substitutions that make it fast and need no disk: the key -> slot index is a
-dense array over the trace's distinct rows (``DenseIndex``), and LMDB is a bit per row
-("has been written down").  :meth:`Simulator._resolve` follows
-``HierarchicalStore._resolve`` step by step (same victims, same order, same free-slot
-order), so replaying a trace captured from a store reproduces the store's counters
-exactly; ``tests/test_sim_exact.py`` checks this against real stores.
+It replays a trace through the *same* placement kernels the store uses
+(:func:`hiermem.core.plan.decide` / :func:`~hiermem.core.plan.commit`, over the same
+:class:`~hiermem.tiers.SlotTier` state with zero-width records and policies built from
+the same :class:`~hiermem.eviction.PolicySpec`, counting into the same
+:class:`~hiermem.stats.Counters`), with two substitutions that need no data: the rows
+are numbered densely per table (a direct index over the trace's distinct rows), and
+LMDB is a bit per row ("has been written down").  Replaying a trace captured from a
+store reproduces the store's counters by construction; ``tests/test_sim_exact.py`` keeps
+checking it against real stores.  A plain replay (no prefetch) is one compiled loop over
+the whole trace (:func:`hiermem.core.replay.replay`): no Python per batch or access.
 
 Prefetch depth ``k`` follows ``HierarchicalStore.prefetch`` and the pipeline's order
 (``P(0..k-1)``, then per step ``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)``): ``P(j)`` admits a

@@ -135,9 +135,32 @@ def repoint1(meta, slot_of, rev, tab, entry, v):
 
 @kernel
 def find(meta, offsets, slot_of, tab, t, k, out):
-    """``out[i]`` = slot of ``(t[i], k[i])`` or -1.  ``t, k, out``: int64 ``[n]``."""
+    """``out[i]`` = slot of ``(t[i], k[i])`` or -1.  ``t, k, out``: int64 ``[n]``.
+
+    The batch form of :func:`find1`, written out: the layout is decided once, and the
+    loop body touches only plain arrays (no call per id)."""
+    if meta[_KIND] == DIRECT:
+        for i in range(k.size):
+            out[i] = slot_of[offsets[t[i]] + k[i]]
+        return
+    mask = np.uint64(meta[_MASK])
     for i in range(k.size):
-        out[i] = find1(meta, offsets, slot_of, tab, t[i], k[i])
+        ti, ki = t[i], k[i]
+        z = np.uint64(ki) ^ (np.uint64(ti) * _M1)
+        z = z + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        z = z ^ (z >> np.uint64(31))
+        p = np.int64(z & mask)
+        while True:
+            bt = tab[3 * p]
+            if bt == EMPTY:
+                out[i] = -1
+                break
+            if bt == ti and tab[3 * p + 1] == ki:
+                out[i] = tab[3 * p + 2]
+                break
+            p = (p + 1) & np.int64(mask)
 
 
 @kernel

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .index import find1, insert1, remove1, repoint1
+from .index import find, insert1, remove1
 from .jit import helper, kernel, tiny
 from .policy import LFU_DECAY, touch
 from .victims import drop, set_key, victims_
@@ -77,11 +77,10 @@ def decide_(meta, offsets, slot_of, rev, tab,
     D = dtm[CAP]
     Hb = htm[BASE]
     g, mi = ws[G], ws[MI]
+    find(meta, offsets, slot_of, tab, bt, bk, g)
     m = 0
     for i in range(U):
-        s = find1(meta, offsets, slot_of, tab, bt[i], bk[i])
-        g[i] = s
-        if s < 0 or s >= D:
+        if g[i] < 0 or g[i] >= D:
             mi[m] = i
             m += 1
     res[:] = 0
@@ -230,33 +229,51 @@ def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, co
 @helper
 def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slots, n, ws, wsf, j0):
     """Save the rows of ``slots[:n]`` (keys, dirty bit, pins, policy state, index entry) in
-    workspace columns ``j0..``, and empty their slots."""
+    workspace columns ``j0..``, and empty their slots (:func:`_free`, written out: this
+    loop is the hot path of a swap)."""
+    base = tm[BASE]
+    nfree = tm[NFREE]
+    unpinned = 0
     for j in range(n):
         s = slots[j]
         c = j0 + j
         ws[SV_T, c] = kt[s]
         ws[SV_K, c] = kk[s]
         ws[SV_DIRTY, c] = 1 if dirty[s] else 0
-        ws[SV_PINS, c] = pins[s]
+        p = pins[s]
+        ws[SV_PINS, c] = p
+        if p > 0:
+            unpinned += 1
         ws[SV_KEY, c] = key[s]
         if extra:  # only lfu_decay keeps per-slot state beside its key
             wsf[c] = score[s]
             ws[SV_USES, c] = uses[s]
-        g = tm[BASE] + s
+        g = base + s
         ws[ENTRY, c] = rev[g]
         rev[g] = -1
-        _free(kt, dirty, pins, free, tm, s)
+        kt[s] = -1
+        dirty[s] = False
+        pins[s] = 0
+        free[nfree] = s
+        nfree += 1
+    tm[NFREE] = nfree
+    tm[NPINNED] -= unpinned
 
 
 @helper
 def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, extra, rm, hk, hs,
                   n, dst, ws, wsf, j0):
     """Put the rows saved in columns ``j0..j0+n`` into the next ``n`` free slots (written to
-    ``dst``), re-pointing their index entries."""
+    ``dst``), re-pointing their index entries (:func:`set_key` and :func:`repoint1`
+    written out: the hot path of a swap)."""
     tm[NFREE] -= n  # the last n pushed, in push order
-    base = tm[NFREE]
+    fb = tm[NFREE]
+    base = tm[BASE]
+    direct = meta[0] == 0
+    valid, tau = rm[0] != 0, rm[1]
+    pinned = 0
     for j in range(n):
-        d = free[base + j]
+        d = free[fb + j]
         dst[j] = d
         c = j0 + j
         kt[d] = ws[SV_T, c]
@@ -265,12 +282,23 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
         p = ws[SV_PINS, c]
         pins[d] = p
         if p > 0:
-            tm[NPINNED] += 1
+            pinned += 1
         if extra:
             score[d] = wsf[c]
             uses[d] = ws[SV_USES, c]
-        set_key(key, rm, hk, hs, d, ws[SV_KEY, c])
-        repoint1(meta, slot_of, rev, tab, ws[ENTRY, c], tm[BASE] + d)
+        k = ws[SV_KEY, c]
+        if valid and k <= tau:
+            set_key(key, rm, hk, hs, d, k)
+            valid = rm[0] != 0
+        else:
+            key[d] = k
+        e = ws[ENTRY, c]
+        if direct:
+            slot_of[e] = base + d
+        else:
+            tab[3 * e + 2] = base + d
+        rev[base + d] = e
+    tm[NPINNED] += pinned
 
 
 @helper

@@ -99,7 +99,7 @@ def _per_access(tmp: Path, ids: np.ndarray, cap: int, out: dict) -> None:
 def _warm_up() -> None:
     """Load (or compile) the kernels outside the timed runs."""
     ids = np.arange(64, dtype=np.int64) % 7
-    for lens in (np.ones((64, 1), dtype=np.int64), np.full((4, 1), 16, dtype=np.int64)):
+    for lens in (np.ones((64, 1), dtype=np.int64), np.full((16, 1), 4, dtype=np.int64)):
         tr = Trace(Path("."), ("z",), ids, lens, True)
         for policy in ("lru", "lfu"):
             simulate(tr, SimConfig(device_rows=3, host_rows=2, policy=policy))

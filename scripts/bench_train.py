@@ -1,25 +1,48 @@
-"""DLRM training throughput through hiermem vs plain in-memory nn.EmbeddingBag, one run.
+"""DLRM training through hiermem against in-memory nn.EmbeddingBag: steady state, caches
+sized by the working set, and where each step's time goes.  One run, one machine.
 
-Configurations (all on the same pre-generated Zipf batches, measured in this run):
-  baseline      plain nn.EmbeddingBag(sparse=True) tables + torch.optim.SGD, all in memory
-  device        hiermem, every row in the device tier (loaded before timing)
-  disk          hiermem, device 1% + host 10% + LMDB for the rest, no prefetch
-  disk_pf       the same with prefetch depth 2
-  disk_pf_cold  the same with the LMDB file's pages dropped from the page cache first
-                (posix_fadvise DONTNEED), prefetch depth 2
-  host_pf       device 1% + a host tier that holds every row (loaded before timing),
-                prefetch depth 2
-  disk_wb, disk_pf_wb
-                disk and disk_pf with StoreConfig(write_behind=True): eviction write-backs
-                committed to LMDB by a writer thread
-  disk_plain    disk with StoreConfig(writemap=False): commits copy their pages out with
-                pwrite instead of writing through LMDB's (preallocated) map
+Workloads (batches pre-generated, the same for every configuration and the baseline):
+  zipf1.05, zipf1.2  8 tables, ``pooling`` Zipf ids per bag.
+  criteo             26 tables, one id per bag, sized after the 26 categorical features of
+                     the Criteo Kaggle Display Advertising Challenge (DAC) ``train.txt``:
+                     C1..C26 = 1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145,
+                     5683, 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18,
+                     15, 286181, 105, 142572 distinct values (33,762,577 in all; the counts
+                     facebookresearch/dlrm's Kaggle preprocessing reports, reproduced by
+                     most DLRM/CTR code).  Scaled by one factor to ``--criteo-rows`` rows,
+                     no table below min(its cardinality, 100) rows; each table's Zipf
+                     exponent is chosen so that its top 1% of rows take 90% of its accesses
+                     (the skew published for Criteo).  If ``../shared/data/criteo-dac-head8k``
+                     is present, the real head's top-1% share is printed beside it.
 
-Every hiermem store starts from the same LMDB holding every row (a checkpoint restored
-per configuration).  Prints samples/s per configuration; the last line is one JSON
-object with the ratios, including prefetch_disk_over_baseline and prefetch_disk_over_host.
+Cache sizing: W = mean distinct rows per batch.  Device tier m x W for m in ``--sizes``
+(1 2 4 8; ``--quick``: 1 2), host tier 8x the device tier, tables >= 50x the device tier,
+the rest on LMDB (every row starts there: one template restored per configuration).
+Configurations per workload and size: ``host_pf`` (every row held by the host tier,
+prefetch depth 2), ``disk`` (no prefetch), ``disk_pf`` (prefetch depth 2), and with
+``--write-behind-sizes`` also ``disk_wb`` and ``disk_pf_wb``; per workload ``device``
+(every row on the device tier) and ``cold_pf`` (first 30 steps from empty tiers, LMDB's
+pages dropped from the page cache, prefetch depth 2).
 
-    python scripts/bench_train.py [--quick]
+Steady state: untimed warm-up until the device hit rate of a 20-step window moves by less
+than 0.5 points from the window before (at most ``--warmup-cap`` steps; the count is
+reported), then ``--steps`` (>= 30) timed steps.  The baseline (plain
+nn.EmbeddingBag(sparse=True) + torch.optim.SGD, same model, same batches) is timed right
+after each configuration over the same batch indices, and each ratio uses that run.
+
+Time split per step (ms): ``dense`` = step - the training thread's store calls - waiting;
+``wait`` = waiting for the prefetch thread; ``lmdb_read``/``lmdb_write`` = the disk tier's
+timers (any thread: read-ahead, writer); ``copies`` = bytes moved device<->host over the
+gather/scatter rate measured in this run (an estimate); ``placement`` = store calls (any
+thread) - copies - the LMDB time inside them.  With prefetch the parts run on several
+threads and do not add up to the step.  ``bg`` = the prefetch and read-ahead threads'
+store time.
+
+The PROJECTION section (never mixed with the measurements) feeds hiermem.sim.cost with
+this run's per-row LMDB costs and a GPU host's published bandwidths.
+
+    python scripts/bench_train.py [--quick] [--png PATH]
+    full run: python scripts/bench_train.py  (3 workloads x sizes 1 2 4 8; ~30-40 min here)
 """
 
 from __future__ import annotations
@@ -31,59 +54,241 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hiermem as hm
-from hiermem.data import ZipfIds
-from hiermem.dlrm import DLRM, PlainEmbeddingBags
-from hiermem.stats import Counters
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import hiermem as hm  # noqa: E402
+from hiermem.data import ZipfIds, shared_data_dir  # noqa: E402
+from hiermem.dlrm import DLRM, PlainEmbeddingBags  # noqa: E402
+from hiermem.sim.cost import CostModel  # noqa: E402
+from hiermem.stats import IO, STAT_TIERS, Counters, Stat  # noqa: E402
+from hiermem.types import Tier  # noqa: E402
+
+CRITEO_KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+                 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
+# published peak figures of a GPU host, for the projection only
+GPU_HBM_BPS = 4.8e12  # H200 HBM3e
+GPU_PCIE_BPS = 55e9  # PCIe Gen5 x16, effective
+GPU_NVME_BPS = 7e9  # one Gen4/5 NVMe drive, sequential read (also used for writes)
+WINDOW, TOLERANCE, MIN_WARMUP = 20, 0.005, 40
+DEPTH = 2
 
 
-def make_batches(n, tables, batch, pooling, alpha, seed=0):
-    """``n`` batches of (dense, SparseFeatures, labels): ``pooling`` Zipf ids per bag."""
+@dataclass(frozen=True)
+class Workload:
+    """Tables, one id sampler per table, and ids per bag."""
+
+    name: str
+    tables: tuple
+    samplers: tuple
+    pooling: int
+
+
+def top_share(n: int, alpha: float, top: float = 0.01) -> float:
+    """Share of accesses that the top ``top`` fraction of ``n`` Zipf(``alpha``) ranks take."""
+    w = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    return float(w[:max(1, int(round(top * n)))].sum() / w.sum())
+
+
+def alpha_for_share(n: int, share: float = 0.9) -> float:
+    """Zipf exponent at which the top 1% of ``n`` rows take ``share`` of accesses (bisection)."""
+    lo, hi = 0.1, 8.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if top_share(n, mid) < share else (lo, mid)
+    return (lo + hi) / 2
+
+
+def criteo_workload(total_rows: int, dim: int, seed: int = 0) -> Workload:
+    """26 tables scaled from the Criteo Kaggle cardinalities, 1% of rows -> 90% of accesses."""
+    s = total_rows / sum(CRITEO_KAGGLE)
+    rows = [max(min(c, 100), int(round(c * s))) for c in CRITEO_KAGGLE]
+    tables = tuple(hm.TableSpec(f"C{i + 1}", r, dim) for i, r in enumerate(rows))
+    samplers = tuple(ZipfIds(r, alpha_for_share(r), seed=seed + i) for i, r in enumerate(rows))
+    return Workload("criteo", tables, samplers, 1)
+
+
+def zipf_workload(alpha: float, rows: int, dim: int, pooling: int, seed: int = 0) -> Workload:
+    """8 tables of ``rows`` rows, Zipf(``alpha``) ids."""
+    tables = tuple(hm.TableSpec(f"t{i}", rows, dim) for i in range(8))
+    return Workload(f"zipf{alpha:g}", tables, tuple(ZipfIds(rows, alpha, seed=seed + i) for i in range(8)), pooling)
+
+
+def real_criteo_share() -> float | None:
+    """Top-1%-of-ids access share of the real Criteo head (None when the data is absent)."""
+    d = shared_data_dir()
+    f = d / "criteo-dac-head8k" / "cat_ids.npy" if d is not None else None
+    if f is None or not f.is_file():
+        return None
+    c = np.load(f).astype(np.int64)
+    glob = (c + np.concatenate(([0], np.cumsum(c.max(0) + 1)[:-1])))[c >= 0]
+    counts = np.sort(np.bincount(glob))[::-1]
+    counts = counts[counts > 0]
+    return float(counts[:max(1, len(counts) // 100)].sum() / counts.sum())
+
+
+def make_batches(wl: Workload, n: int, batch: int, seed: int = 0) -> list:
+    """``n`` batches of (dense [B, 13], SparseFeatures, labels [B])."""
     rng = np.random.default_rng(seed)
-    zipf = [ZipfIds(t.num_rows, alpha, seed=seed + i) for i, t in enumerate(tables)]
+    lengths = torch.full((len(wl.tables) * batch,), wl.pooling, dtype=torch.int64)
+    keys = tuple(t.name for t in wl.tables)
     out = []
     for _ in range(n):
-        vals = np.concatenate([z(batch * pooling) for z in zipf])
-        lengths = torch.full((len(tables) * batch,), pooling, dtype=torch.int64)
-        f = hm.SparseFeatures(tuple(t.name for t in tables), torch.from_numpy(vals), lengths)
-        out.append((torch.from_numpy(rng.standard_normal((batch, 13), dtype=np.float32)), f,
+        vals = torch.from_numpy(np.concatenate([z(batch * wl.pooling) for z in wl.samplers]))
+        out.append((torch.from_numpy(rng.standard_normal((batch, 13), dtype=np.float32)),
+                    hm.SparseFeatures(keys, vals, lengths),
                     torch.from_numpy((rng.random(batch) < 0.25).astype(np.float32))))
     return out
 
 
-def train(model, emb_opt, batches, pipe_depth=0, warmup=3):
-    """Samples/s over ``batches`` after ``warmup`` steps (which are not timed)."""
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=0.01)
-    loss_fn = nn.BCEWithLogitsLoss()
-    emb = model.embeddings
-    it = hm.PrefetchPipeline(iter(batches), emb, depth=pipe_depth) if pipe_depth else iter(batches)
-    t0, n = None, 0
-    for i, (dense, f, y) in enumerate(it):
-        if i == warmup:
-            t0 = time.perf_counter()
-        loss = loss_fn(model(dense, f), y)
-        dense_opt.zero_grad()
-        if emb_opt is not None:
-            emb_opt.zero_grad()
+def working_set(wl: Workload, batches: list) -> float:
+    """W: mean distinct rows (over all tables) per batch."""
+    off = torch.tensor(np.cumsum([0] + [t.num_rows for t in wl.tables[:-1]]))
+    return float(np.mean([torch.unique(f.values + torch.repeat_interleave(off, f.key_lengths())).numel()
+                          for _, f, _ in batches[:50]]))
+
+
+def copy_rate(width: int, rows: int) -> float:
+    """Bytes/s of a random gather + scatter of ``rows`` records (the tiers' record copies)."""
+    src, dst = torch.randn(rows * 8, width), torch.zeros(rows * 4, width)
+    i, j = torch.randint(0, rows * 8, (rows,)), torch.randperm(rows * 4)[:rows]
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        dst.index_copy_(0, j, src.index_select(0, i))
+        n += 1
+    return 2 * n * rows * width * 4 / (time.perf_counter() - t0)
+
+
+class Trainer:
+    """One model + optimizers; ``step`` trains one batch."""
+
+    def __init__(self, emb: nn.Module, n_tables: int, dim: int, emb_opt=None):
+        torch.manual_seed(1)
+        self.model = DLRM(emb, n_tables, dim)
+        self.dense_opt = torch.optim.SGD(self.model.dense_parameters(), lr=0.01)
+        self.emb_opt, self.loss_fn = emb_opt, nn.BCEWithLogitsLoss()
+
+    def step(self, batch) -> None:
+        dense, f, y = batch
+        loss = self.loss_fn(self.model(dense, f), y)
+        self.dense_opt.zero_grad()
+        if self.emb_opt is not None:
+            self.emb_opt.zero_grad()
         loss.backward()
-        dense_opt.step()
-        if emb_opt is not None:
-            emb_opt.step()
-        if i >= warmup:
-            n += y.numel()
-    dt = time.perf_counter() - t0
-    if pipe_depth:
-        it.close()
-    return n / dt
+        self.dense_opt.step()
+        if self.emb_opt is not None:
+            self.emb_opt.step()
+
+
+def baseline_rate(tr: Trainer, batches: list, start: int, steps: int) -> float:
+    """Samples/s of the in-memory baseline over ``batches[start:start + steps]`` (3 untimed first)."""
+    for b in batches[max(0, start - 3):start] or batches[-3:]:
+        tr.step(b)
+    t0 = time.perf_counter()
+    for b in batches[start:start + steps]:
+        tr.step(b)
+    return steps * batches[0][2].numel() / (time.perf_counter() - t0)
+
+
+def snapshot(store, pipe) -> dict:
+    """Counters and timers of the store (and pipeline) now, as plain numbers."""
+    c = store.counters
+    rd, wr = store._disk.durations()
+    return {"table": c.table.sum(0).clone(), "io": c.io.clone(), "t": time.perf_counter(),
+            "fg": c.lookup_seconds.sum + c.update_seconds.sum, "read": rd.sum, "write": wr.sum,
+            "wait": pipe.wait_seconds if pipe else 0.0, "pf": pipe.prefetch_seconds if pipe else 0.0,
+            "ra": pipe.read_ahead_seconds if pipe else 0.0}
+
+
+def device_counts(store) -> tuple[int, int]:
+    """Device tier (lookups, misses) so far."""
+    t = store.counters.table[:, Tier.DEVICE]
+    return int(t[:, Stat.LOOKUPS].sum()), int(t[:, Stat.MISSES].sum())
+
+
+def figures(a: dict, b: dict, steps: int, batch: int, wb: bool, rate: float) -> dict:
+    """Per-step figures between snapshots ``a`` and ``b``."""
+    tab, io = b["table"] - a["table"], b["io"] - a["io"]
+    d = {k: b[k] - a[k] for k in ("t", "fg", "read", "write", "wait", "pf", "ra")}
+    hit = {t.label: round(int(tab[t, Stat.HITS]) / max(1, int(tab[t, Stat.LOOKUPS])), 4) for t in STAT_TIERS}
+    rows = {"host_to_device": int(tab[Tier.DEVICE, Stat.MISSES]), "device_to_host": int(tab[Tier.DEVICE, Stat.EVICTIONS]),
+            "disk_to_host": int(tab[Tier.DISK, Stat.LOOKUPS]), "host_to_disk": int(tab[Tier.HOST, Stat.WRITEBACKS])}
+    copies = int(io[IO.BYTES_HOST_TO_DEVICE] + io[IO.BYTES_DEVICE_TO_HOST]) / rate
+    write_in_store = 0.0 if wb else d["write"]
+    place = max(0.0, d["fg"] + d["pf"] - copies - max(0.0, d["read"] - d["ra"]) - write_in_store)
+    ms = {"step": d["t"], "dense": max(0.0, d["t"] - d["fg"] - d["wait"]), "placement": place, "copies": copies,
+          "lmdb_read": d["read"], "lmdb_write": d["write"], "wait": d["wait"], "bg": d["pf"] + d["ra"]}
+    return {"samples_per_s": steps * batch / d["t"], "hit_rates": hit,
+            "rows_per_step": {k: round(v / steps, 1) for k, v in rows.items()},
+            "ms_per_step": {k: round(1e3 * v / steps, 2) for k, v in ms.items()},
+            "bytes_per_step": {k.name.lower(): int(io[k]) / steps for k in (
+                IO.BYTES_HOST_TO_DEVICE, IO.BYTES_DEVICE_TO_HOST, IO.BYTES_DISK_TO_HOST, IO.BYTES_HOST_TO_DISK)}}
+
+
+def warm(tr: Trainer, store, it, cap: int) -> tuple[int, bool]:
+    """Untimed steps until the 20-step device hit rate settles; (steps, settled)."""
+    prev, base, n = None, device_counts(store), 0
+    while n < cap:
+        tr.step(next(it))
+        n += 1
+        if n % WINDOW == 0:
+            now = device_counts(store)
+            h = 1 - (now[1] - base[1]) / max(1, now[0] - base[0])
+            if prev is not None and abs(h - prev) < TOLERANCE and n >= MIN_WARMUP:
+                return n, True
+            prev, base = h, now
+    return n, False
+
+
+def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool, preload: bool):
+    """A store restored from the template, every row loaded when ``preload``; counters zeroed."""
+    store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb)
+    if preload:
+        for t in wl.tables:
+            for i in range(0, t.num_rows, 1 << 16):
+                store.lookup(t.name, torch.arange(i, min(t.num_rows, i + (1 << 16))))
+        store.counters = Counters(len(wl.tables))
+    return store
+
+
+def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: int, wb: bool = False,
+               preload: bool = False, cold: bool = False) -> dict:
+    """Train one configuration (warm-up, then timed steps) and its interleaved baseline."""
+    a, batches = ctx["args"], ctx["batches"]
+    path = ctx["tmp"] / name.replace("/", "_").replace("@", "_")
+    store = open_store(ctx["ck"], path, wl, dev, host, wb, preload)
+    if cold:
+        drop_page_cache(path)
+    tr = Trainer(hm.CachedEmbeddingBagCollection(wl.tables, store=store), len(wl.tables), a.dim)
+    pipe = hm.PrefetchPipeline(iter(batches), tr.model.embeddings, depth=depth) if depth else None
+    it = pipe if pipe is not None else iter(batches)
+    try:
+        n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap)
+        s0 = snapshot(store, pipe)
+        for _ in range(a.steps):
+            tr.step(next(it))
+        res = figures(s0, snapshot(store, pipe), a.steps, a.batch, wb, ctx["rate"])
+    finally:
+        if pipe is not None:
+            pipe.close()
+        store.close()
+        shutil.rmtree(path, ignore_errors=True)
+    base = baseline_rate(ctx["base"], batches, n, a.steps)
+    res.update(baseline_samples_per_s=base, over_baseline=res["samples_per_s"] / base, warmup_steps=n,
+               settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb)
+    print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
+          f"dev hit {res['hit_rates']['device']:.3f}", file=sys.stderr)
+    return res
 
 
 def drop_page_cache(path: Path) -> None:
+    """Drop the LMDB files' pages from the page cache (posix_fadvise DONTNEED)."""
     for f in path.glob("*.mdb"):
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -93,102 +298,209 @@ def drop_page_cache(path: Path) -> None:
             os.close(fd)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small tables and few steps (< 60 s)")
-    ap.add_argument("--tables", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=None, help="rows per table (default 500k, quick 100k)")
-    ap.add_argument("--dim", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=2048)
-    ap.add_argument("--pooling", type=int, default=4)
-    ap.add_argument("--alpha", type=float, default=1.05)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 10)")
-    ap.add_argument("--in-thread-io", action="store_true",
-                    help="background LMDB I/O on the store's threads, not its I/O processes (io_process=False)")
-    a = ap.parse_args(argv)
-    rows = a.rows or (100_000 if a.quick else 500_000)
-    steps = a.steps or (10 if a.quick else 30)
-    warmup = 3
-    torch.manual_seed(0)
-    tables = [hm.TableSpec(f"t{i}", rows, a.dim) for i in range(a.tables)]
-    total = rows * a.tables
-    batches = make_batches(steps + warmup, tables, a.batch, a.pooling, a.alpha)
-    distinct = np.mean([torch.unique(f.values + torch.repeat_interleave(
-        torch.arange(a.tables) * rows, f.key_lengths())).numel() for _, f, _ in batches])
-    print(f"bench_train: {a.tables} tables x {rows} rows x dim {a.dim} ({total * a.dim * 4 / 2**20:.0f} MiB), "
-          f"batch {a.batch} x {a.pooling} ids per table, Zipf {a.alpha}; {distinct:.0f} distinct rows per batch; "
-          f"{steps} timed steps", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix="hiermem-bench-train-"))
-    res = {}
+def template(wl: Workload, plain: PlainEmbeddingBags, tmp: Path) -> Path:
+    """A checkpoint holding every row of ``plain`` in LMDB (restored per configuration)."""
+    m = hm.CachedEmbeddingBagCollection.from_embedding_bags(
+        dict(plain.bags.items()), hm.StoreConfig(path=tmp / "live", device_rows=1024, host_rows=1024,
+                                                 optimizer=hm.SGD(lr=0.05)))
+    ck = m.checkpoint(tmp / "template")
+    m.store.close()
+    shutil.rmtree(tmp / "live")
+    return ck
+
+
+def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn) -> tuple[dict, float]:
+    """Every configuration of one workload; ({config name: figures}, W)."""
+    n_batches = a.warmup_cap + a.steps + DEPTH + 8
+    batches = make_batches(wl, n_batches, a.batch)
+    W = working_set(wl, batches)
+    total = sum(t.num_rows for t in wl.tables)
+    print(f"{wl.name}: {len(wl.tables)} tables, {total} rows x dim {a.dim}, batch {a.batch} x {wl.pooling}; "
+          f"W = {W:.0f} distinct rows per batch; tables = {total / (max(sizes) * W):.0f}x the largest device tier",
+          file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f"hiermem-bench-train-{wl.name}-"))
+    out = {}
     try:
-        plain = PlainEmbeddingBags(tables)
-        torch.manual_seed(1)
-        model = DLRM(plain, a.tables, a.dim)
-        res["baseline"] = train(model, torch.optim.SGD(plain.parameters(), lr=0.05), batches, warmup=warmup)
-        # one LMDB template holding every row, restored for each hiermem configuration
-        t0 = time.perf_counter()
-        tmpl = hm.CachedEmbeddingBagCollection.from_embedding_bags(
-            dict(plain.bags.items()), hm.StoreConfig(path=tmp / "template-live", device_rows=1024, host_rows=1024,
-                                                     optimizer=hm.SGD(lr=0.05)))
-        ck = tmpl.checkpoint(tmp / "template")
-        tmpl.store.close()
-        shutil.rmtree(tmp / "template-live")
-        print(f"  LMDB template of {total} rows written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        dev1, host10 = max(1, total // 100), max(1, total // 10)
-        # (device rows, host rows, prefetch depth, drop LMDB pages first, preload every row, write-behind,
-        #  writemap: None is the default, on where the filesystem allows)
-        configs = {"device": (total + 1024, 1024, 0, False, True, False, None),
-                   "disk": (dev1, host10, 0, False, False, False, None),
-                   "disk_pf": (dev1, host10, 2, False, False, False, None),
-                   "disk_pf_cold": (dev1, host10, 2, True, False, False, None),
-                   "host_pf": (dev1, total + 1024, 2, False, True, False, None),
-                   "disk_wb": (dev1, host10, 0, False, False, True, None),
-                   "disk_pf_wb": (dev1, host10, 2, False, False, True, None),
-                   "disk_plain": (dev1, host10, 0, False, False, False, False)}
-        writemap = {}
-        for name, (d, h, depth, cold, preload, wb, wm) in configs.items():
-            path = tmp / name
-            store = hm.HierarchicalStore.restore(ck, path, device_rows=d, host_rows=h, write_behind=wb,
-                                                 io_process=not a.in_thread_io, writemap=wm)
-            writemap[name] = store.stats()["_store"]["disk_writemap"]
-            if preload:  # every row resident before timing (device-resident / host-backed)
-                for t in tables:
-                    for i in range(0, rows, 1 << 16):
-                        store.lookup(t.name, torch.arange(i, min(rows, i + (1 << 16))))
-                store.counters = Counters(len(tables))
-            if cold:
-                drop_page_cache(path)
-            emb = hm.CachedEmbeddingBagCollection(tables, store=store)
-            torch.manual_seed(1)
-            res[name] = train(DLRM(emb, a.tables, a.dim), None, batches, pipe_depth=depth, warmup=warmup)
-            st = store.stats()
-            hits = {t: sum(st[x.name][t]["hits"] for x in tables) / max(1, sum(st[x.name][t]["lookups"]
-                                                                             for x in tables))
-                    for t in ("device", "host", "disk")}
-            res[name + "_hit_rates"] = {k: round(v, 4) for k, v in hits.items()}
-            store.close()
-            shutil.rmtree(path)
-        for k in ("baseline", *configs):
-            print(f"  {k:13s} {res[k]:12.0f} samples/s   x{res[k] / res['baseline']:.2f} of baseline", file=sys.stderr)
+        plain = PlainEmbeddingBags(wl.tables)
+        base = Trainer(plain, len(wl.tables), a.dim, torch.optim.SGD(plain.parameters(), lr=0.05))
+        ctx = {"args": a, "batches": batches, "tmp": tmp, "ck": template(wl, plain, tmp), "base": base,
+               "rate": rate_fn(wl.tables[0].dim)}
+        out[f"{wl.name}/device"] = run_config(ctx, wl, f"{wl.name}/device", total + 1024, 1024, 0, preload=True)
+        for m in sizes:
+            dev = int(m * W)
+            for kind, host, depth, wb, pre in (("host_pf", total + 1024, DEPTH, False, True),
+                                               ("disk", 8 * dev, 0, False, False),
+                                               ("disk_pf", 8 * dev, DEPTH, False, False),
+                                               *((("disk_wb", 8 * dev, 0, True, False),
+                                                  ("disk_pf_wb", 8 * dev, DEPTH, True, False)) if m in wb_sizes else ())):
+                name = f"{wl.name}/{kind}@{m}W"
+                out[name] = run_config(ctx, wl, name, dev, host, depth, wb=wb, preload=pre)
+        if a.cold:
+            dev = int(2 * W)
+            out[f"{wl.name}/cold_pf@2W"] = run_config(ctx, wl, f"{wl.name}/cold_pf@2W", dev, 8 * dev, DEPTH, cold=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    b = res["baseline"]
-    out = {"baseline_samples_per_s": round(b, 1),
-           **{f"{k}_samples_per_s": round(res[k], 1) for k in configs},
-           "device_over_baseline": round(res["device"] / b, 3),
-           "disk_over_baseline": round(res["disk"] / b, 3),
-           "prefetch_disk_over_baseline": round(res["disk_pf"] / b, 3),
-           "prefetch_cold_disk_over_baseline": round(res["disk_pf_cold"] / b, 3),
-           "prefetch_disk_over_host": round(res["disk_pf"] / res["host_pf"], 3),
-           "prefetch_over_no_prefetch": round(res["disk_pf"] / res["disk"], 3),
-           "write_behind_disk_over_baseline": round(res["disk_wb"] / b, 3),
-           "write_behind_prefetch_disk_over_baseline": round(res["disk_pf_wb"] / b, 3),
-           "write_behind_over_sync": round(res["disk_wb"] / res["disk"], 3),
-           "writemap_over_plain": round(res["disk"] / res["disk_plain"], 3),
-           "hit_rates": {k: res[k + "_hit_rates"] for k in configs},
-           "distinct_rows_per_batch": round(float(distinct), 1), "rows": total, "quick": a.quick,
-           "io_process": not a.in_thread_io, "writemap": writemap}
-    print(json.dumps(out))
+    return out, W
+
+
+def ratio(res: dict, num: str, den: str) -> float | None:
+    """``res[num]`` over ``res[den]`` in samples/s (None if either is missing)."""
+    if num not in res or den not in res:
+        return None
+    return res[num]["samples_per_s"] / res[den]["samples_per_s"]
+
+
+def worst(res: dict, pairs: tuple) -> float | None:
+    """The smallest ratio of configuration kinds ``(num, den)`` over every workload and size."""
+    r = [ratio(res, k.replace(pairs[i][1], pairs[i][0]), k) for k in res for i in range(len(pairs))
+         if k.split("/")[1].startswith(pairs[i][1] + "@")]
+    r = [x for x in r if x is not None]
+    return min(r) if r else None
+
+
+def projection(res: dict, row_bytes: int) -> dict:
+    """Per disk configuration, the projected I/O per step on a GPU host (hiermem.sim.cost)."""
+    def per_row(part: str, rows: str) -> float:
+        v = [c["ms_per_step"][part] / 1e3 / c["rows_per_step"][rows] for k, c in res.items()
+             if "/disk" in k and c["rows_per_step"][rows] > 0]
+        return float(np.median(v)) if v else 0.0
+    rd, wr = per_row("lmdb_read", "disk_to_host"), per_row("lmdb_write", "host_to_disk")
+    model = CostModel(host_to_device=GPU_PCIE_BPS, device_to_host=GPU_PCIE_BPS,
+                      disk_read=1 / (rd / row_bytes + 1 / GPU_NVME_BPS),
+                      disk_write=1 / (wr / row_bytes + 1 / GPU_NVME_BPS),
+                      device_accesses_per_s=GPU_HBM_BPS / row_bytes)
+    out = {"lmdb_read_us_per_row_here": round(rd * 1e6, 3), "lmdb_write_us_per_row_here": round(wr * 1e6, 3)}
+    for k, c in res.items():
+        if "/disk" not in k or c["write_behind"]:
+            continue
+        b = c["bytes_per_step"]
+        st = model.estimate(1, 0, b["bytes_host_to_device"], b["bytes_device_to_host"], b["bytes_disk_to_host"],
+                            b["bytes_host_to_disk"], prefetch_depth=DEPTH)
+        out[k] = {"hide_disk_at_step_ms": round(1e3 * (st.disk_read + st.disk_write), 3),
+                  "hide_all_io_at_step_ms": round(1e3 * st.io, 3)}
+    return out
+
+
+def plot(res: dict, names: list[str], sizes: list[int], png: Path) -> None:
+    """Throughput over baseline vs device-tier size, a line per configuration, a panel per workload."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, wl in zip(axes[0], names):
+        for kind, label, style in (("host_pf", "host-backed, prefetch 2", "o-"), ("disk", "disk, no prefetch", "s-"),
+                                   ("disk_pf", "disk, prefetch 2", "^-"), ("disk_wb", "disk, write-behind", "s:"),
+                                   ("disk_pf_wb", "disk, prefetch 2 + write-behind", "^:")):
+            pts = [(m, res[f"{wl}/{kind}@{m}W"]["over_baseline"]) for m in sizes if f"{wl}/{kind}@{m}W" in res]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        if f"{wl}/device" in res:
+            ax.axhline(res[f"{wl}/device"]["over_baseline"], color="grey", ls="--", label="all rows on device")
+        ax.axhline(1.0, color="black", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{m}W" for m in sizes])
+        ax.set_ylim(bottom=0)
+        ax.set(title=wl, xlabel="device tier (multiples of W, distinct rows per batch)",
+               ylabel="samples/s over in-memory nn.EmbeddingBag")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def print_table(res: dict) -> None:
+    """One row per configuration: ratio, warm-up, hit rates, rows crossing, ms split (stderr)."""
+    p = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    p(f"\n{'configuration':26s} {'x base':>6s} {'warm':>4s} {'hit dev/host/disk':>17s} "
+      f"{'rows/step h>d d>h k>h h>k':>27s} {'ms/step step dense place copy read write wait bg':>50s}")
+    for k, c in res.items():
+        h, r, m = c["hit_rates"], c["rows_per_step"], c["ms_per_step"]
+        p(f"{k:26s} {c['over_baseline']:6.3f} {c['warmup_steps']:4d} {h['device']:5.3f}/{h['host']:5.3f}/{h['disk']:5.3f}"
+          f" {r['host_to_device']:7.0f}{r['device_to_host']:7.0f}{r['disk_to_host']:7.0f}{r['host_to_disk']:6.0f}"
+          f"        {m['step']:6.1f}{m['dense']:6.1f}{m['placement']:6.1f}{m['copies']:5.1f}{m['lmdb_read']:5.1f}"
+          f"{m['lmdb_write']:6.1f}{m['wait']:5.1f}{m['bg']:5.1f}")
+
+
+def summary(res: dict, Ws: dict, proj: dict, png: Path, a) -> dict:
+    """The JSON line: headline ratios, then every configuration's figures."""
+    r = lambda k: None if k not in res else round(res[k]["over_baseline"], 3)  # noqa: E731
+    rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    head = "zipf1.05/disk_pf@2W"
+    return {"steady_host_over_baseline": r("zipf1.05/host_pf@2W"),
+            "steady_disk_prefetch_over_baseline": r(head),
+            "criteo_steady_disk_prefetch_over_baseline": r("criteo/disk_pf@2W"),
+            "cold_disk_prefetch_over_baseline": r("zipf1.05/cold_pf@2W"),
+            "device_over_baseline": r("zipf1.05/device"),
+            "worst_prefetch_over_no_prefetch": rnd(worst(res, (("disk_pf", "disk"), ("disk_pf_wb", "disk_wb")))),
+            "worst_write_behind_over_sync": rnd(worst(res, (("disk_wb", "disk"), ("disk_pf_wb", "disk_pf")))),
+            "warmup_steps": res[head]["warmup_steps"] if head in res else None,
+            "warmup_steps_max": max(c["warmup_steps"] for c in res.values()),
+            "warmup_capped": [k for k, c in res.items() if not c["settled"]],
+            "working_set_rows": {k: round(v, 1) for k, v in Ws.items()},
+            "quick": a.quick, "batch": a.batch, "timed_steps": a.steps, "png": str(png),
+            "configs": {k: {"over_baseline": round(c["over_baseline"], 3), "samples_per_s": round(c["samples_per_s"], 1),
+                            "baseline_samples_per_s": round(c["baseline_samples_per_s"], 1),
+                            "warmup_steps": c["warmup_steps"], "hit_rates": c["hit_rates"],
+                            "rows_per_step": c["rows_per_step"], "ms_per_step": c["ms_per_step"]}
+                        for k, c in res.items()},
+            "projection_gpu_host": proj}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="zipf1.05 + criteo, sizes 1 2 W (< 90 s)")
+    ap.add_argument("--rows", type=int, default=None, help="rows per Zipf table (default 500k, quick 200k)")
+    ap.add_argument("--criteo-rows", type=int, default=None, help="Criteo rows in all (default 4M, quick 1M)")
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=None, help="samples per batch (default 512, quick 256)")
+    ap.add_argument("--pooling", type=int, default=4, help="ids per bag, Zipf workloads")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration (>= 30)")
+    ap.add_argument("--warmup-cap", type=int, default=None, help="most warm-up steps (default 300, quick 100)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="device tier in multiples of W")
+    ap.add_argument("--write-behind-sizes", type=int, nargs="*", default=None,
+                    help="sizes also run with write-behind (default: all; quick: 2)")
+    ap.add_argument("--png", type=Path, default=None, help="default runs/bench_train.png")
+    a = ap.parse_args(argv)
+    a.rows = a.rows or (200_000 if a.quick else 500_000)
+    a.criteo_rows = a.criteo_rows or (1_000_000 if a.quick else 4_000_000)
+    a.batch = a.batch or (256 if a.quick else 512)
+    a.warmup_cap = a.warmup_cap or (100 if a.quick else 300)
+    sizes = a.sizes or ([1, 2] if a.quick else [1, 2, 4, 8])
+    wb_sizes = a.write_behind_sizes if a.write_behind_sizes is not None else ([2] if a.quick else sizes)
+    png = a.png or Path(__file__).resolve().parent.parent / "runs" / "bench_train.png"
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    wls = [zipf_workload(1.05, a.rows, a.dim, a.pooling)]
+    if not a.quick:
+        wls.append(zipf_workload(1.2, a.rows, a.dim, a.pooling, seed=100))
+    wls.append(criteo_workload(a.criteo_rows, a.dim, seed=200))
+    real = real_criteo_share()
+    print(f"criteo skew: top 1% of each table's rows take 90% of its accesses (Zipf exponents "
+          f"{min(s.alpha for s in wls[-1].samplers):.2f}..{max(s.alpha for s in wls[-1].samplers):.2f}); real head "
+          + (f"(criteo-dac-head8k, 7,200 rows): top 1% of ids take {real:.0%}" if real is not None else "absent"),
+          file=sys.stderr)
+    rate = {}
+    rate_fn = lambda d: rate.setdefault(d, copy_rate(d, 8192))  # noqa: E731
+    res, Ws = {}, {}
+    for wl in wls:
+        a.cold = wl is wls[0] or not a.quick
+        out, Ws[wl.name] = run_workload(a, wl, sizes, wb_sizes, rate_fn)
+        res.update(out)
+    print_table(res)
+    proj = projection(res, a.dim * 4)
+    print("\nPROJECTION (not measured): step time a GPU host (HBM 4.8 TB/s, PCIe Gen5 x16 55 GB/s, NVMe 7 GB/s) "
+          f"needs for prefetch to hide the disk tier, with this machine's LMDB cost per row "
+          f"({proj['lmdb_read_us_per_row_here']} us read, {proj['lmdb_write_us_per_row_here']} us write):",
+          file=sys.stderr)
+    for k, v in proj.items():
+        if isinstance(v, dict):
+            print(f"  {k:26s} hides LMDB at steps >= {v['hide_disk_at_step_ms']:7.2f} ms "
+                  f"(all transfers: {v['hide_all_io_at_step_ms']:.2f} ms)", file=sys.stderr)
+    plot(res, [w.name for w in wls], sizes, png)
+    print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    print(json.dumps(summary(res, Ws, proj, png, a)))
     return 0
 
 

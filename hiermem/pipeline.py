@@ -356,6 +356,12 @@ class PrefetchPipeline:
                 "prefetched_rows": st["prefetched_rows"], "prefetch_hits": st["prefetch_hits"],
                 "late_prefetches": st["late_prefetches"]}
 
+    def wait_idle(self) -> None:
+        """Block until the prefetch and read-ahead threads have run every job submitted so
+        far (a benchmark's clock then holds all the background work of its steps)."""
+        self._worker.wait_idle(self.timeout)
+        self._reader.wait_idle(self.timeout)
+
     def close(self) -> None:
         """Release every pin and stop the thread (idempotent)."""
         if self._closed:

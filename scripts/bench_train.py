@@ -129,7 +129,7 @@ def real_criteo_share() -> float | None:
     f = d / "criteo-dac-head8k" / "cat_ids.npy" if d is not None else None
     if f is None or not f.is_file():
         return None
-    c = np.load(f).astype(np.int64)
+    c = np.load(f, allow_pickle=False).astype(np.int64)
     glob = (c + np.concatenate(([0], np.cumsum(c.max(0) + 1)[:-1])))[c >= 0]
     counts = np.sort(np.bincount(glob))[::-1]
     counts = counts[counts > 0]

@@ -292,7 +292,7 @@ def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool
 def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: int, wb: bool = False,
                preload: bool = False, cold: bool = False) -> dict:
     """Train one configuration (warm-up, then timed steps) and its interleaved baseline."""
-    a, batches = ctx["args"], ctx["batches"]
+    a, batches, t_start = ctx["args"], ctx["batches"], time.perf_counter()
     path = ctx["tmp"] / name.replace("/", "_").replace("@", "_")
     store = open_store(ctx["ck"], path, wl, dev, host, wb, preload)
     if cold:
@@ -319,7 +319,7 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
                warmup_steps=n,
                settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb)
     print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
-          f"dev hit {res['hit_rates']['device']:.3f}", file=sys.stderr)
+          f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
     return res
 
 

@@ -512,7 +512,7 @@ def main(argv=None) -> int:
     wb_sizes = a.write_behind_sizes if a.write_behind_sizes is not None else ([2] if a.quick else sizes)
     png = a.png or Path(__file__).resolve().parent.parent / "runs" / "bench_train.png"
     torch.manual_seed(0)
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     wls = [zipf_workload(1.05, a.rows, a.dim, a.pooling)]
     if not a.quick:
         wls.append(zipf_workload(1.2, a.rows, a.dim, a.pooling, seed=100))
@@ -540,8 +540,13 @@ def main(argv=None) -> int:
             print(f"  {k:26s} hides LMDB at steps >= {v['hide_disk_at_step_ms']:7.2f} ms "
                   f"(all transfers: {v['hide_all_io_at_step_ms']:.2f} ms)", file=sys.stderr)
     plot(res, [w.name for w in wls], sizes, png)
-    print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    print(json.dumps(summary(res, Ws, proj, png, a)))
+    load = (round(load0, 2), round(os.getloadavg()[0], 2))
+    print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s; load average {load[0]} at the start, {load[1]} at the end"
+          f" on {os.cpu_count()} cores" + ("  (SHARED MACHINE: other work competed for the cores, ratios are noisy)"
+                                          if max(load) > 0.75 * (os.cpu_count() or 1) else ""), file=sys.stderr)
+    out = summary(res, Ws, proj, png, a)
+    out.update(seconds=round(time.perf_counter() - t0, 1), load_average=load, cpus=os.cpu_count())
+    print(json.dumps(out))
     return 0
 
 

@@ -1,50 +1,42 @@
 """DLRM training through hiermem against in-memory nn.EmbeddingBag: steady state, caches
-sized by the working set, and where each step's time goes.  One run, one machine.
+sized by the working set, where each step's time goes.  One run, one machine.
 
-Workloads (batches pre-generated, the same for every configuration and the baseline):
-  zipf1.05, zipf1.2  8 tables, ``pooling`` Zipf ids per bag.
-  criteo             26 tables, one id per bag, sized after the 26 categorical features of
-                     the Criteo Kaggle Display Advertising Challenge (DAC) ``train.txt``:
-                     C1..C26 = 1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145,
-                     5683, 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18,
-                     15, 286181, 105, 142572 distinct values (33,762,577 in all; the counts
-                     facebookresearch/dlrm's Kaggle preprocessing reports, reproduced by
-                     most DLRM/CTR code).  Scaled by one factor to ``--criteo-rows`` rows,
-                     no table below min(its cardinality, 100) rows; each table's Zipf
-                     exponent is chosen so that its top 1% of rows take 90% of its accesses
-                     (the skew published for Criteo).  If ``../shared/data/criteo-dac-head8k``
-                     is present, the real head's top-1% share is printed beside it.
+Workloads (batches pre-generated, shared by every configuration and the baseline):
+zipf1.05 and zipf1.2: 8 tables, ``--pooling`` Zipf ids per bag.  criteo: 26 tables, one
+id per bag, sized after the 26 categorical features of the Criteo Kaggle Display
+Advertising Challenge (DAC) train.txt, C1..C26 = 1460, 583, 10131227, 2202608, 305, 24,
+12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547,
+18, 15, 286181, 105, 142572 distinct values (33,762,577 in all; as reported by the
+Kaggle preprocessing of facebookresearch/dlrm and reproduced across DLRM/CTR code),
+scaled by one factor to ``--criteo-rows`` (no table below min(cardinality, 100) rows);
+each table's Zipf exponent puts 90% of its accesses on its top 1% of rows.  The real
+head in ../shared/data/criteo-dac-head8k, when present, is read for comparison only.
 
-Cache sizing: W = mean distinct rows per batch.  Device tier m x W for m in ``--sizes``
-(1 2 4 8; ``--quick``: 1 2), host tier 8x the device tier, tables >= 50x the device tier,
-the rest on LMDB (every row starts there: one template restored per configuration).
-Configurations per workload and size: ``host_pf`` (every row held by the host tier,
-prefetch depth 2), ``disk`` (no prefetch), ``disk_pf`` (prefetch depth 2), and with
-``--write-behind-sizes`` also ``disk_wb`` and ``disk_pf_wb``; per workload ``device``
-(every row on the device tier) and ``cold_pf`` (first 30 steps from empty tiers, LMDB's
-pages dropped from the page cache, prefetch depth 2).
+Sizing: W = mean distinct rows per batch; device tier m x W (``--sizes``, 1 2 4 8;
+quick 1 2), host tier 8x the device tier, tables >= 50x the device tier, the rest on
+LMDB (every row starts there: one template restored per configuration).  Per size:
+``host_pf`` (every row in the host tier, prefetch depth 2), ``disk`` (no prefetch),
+``disk_pf`` (depth 2), and at ``--write-behind-sizes`` ``disk_wb``/``disk_pf_wb``; per
+workload ``device`` (every row on the device tier) and ``cold_pf`` (2 x W, first 30
+steps from empty tiers with LMDB's pages dropped, depth 2; quick: zipf1.05 only).
 
-Steady state: untimed warm-up until the device hit rate of a 20-step window moves by less
-than 0.5 points from the window before (at most ``--warmup-cap`` steps; the count is
-reported), then ``--steps`` (>= 30) timed steps.  The baseline (plain
-nn.EmbeddingBag(sparse=True) + torch.optim.SGD, same model, same batches) is timed right
-in alternating blocks of 5 steps with each configuration, over the same batches (the
-machine's noise hits both alike); a ratio is the median of the blocks' ratios.  A block of hiermem steps ends by waiting for the
-background work it started (prefetch, read-ahead, write-behind), timed as its own.
+Steady state: untimed warm-up until the device hit rate of a 20-step window moves by
+< 0.5 points from the window before (capped; reported), then ``--steps`` timed steps in
+blocks of 5 alternating with the baseline (nn.EmbeddingBag(sparse=True) + SGD, same
+model, same batches), so the machine's noise hits both; a ratio is the median of the
+blocks' ratios.  A hiermem block ends by waiting for the background work it started.
 
-Time split per step (ms): ``dense`` = step - the training thread's store calls - waiting;
-``wait`` = waiting for the prefetch thread (and at block ends); ``lmdb_read``/``lmdb_write`` = the disk tier's
-timers (any thread: read-ahead, writer); ``copies`` = bytes moved device<->host over the
-gather/scatter rate measured in this run (an estimate); ``placement`` = store calls (any
-thread) - copies - the LMDB time inside them.  With prefetch the parts run on several
-threads and do not add up to the step.  ``bg`` = the prefetch and read-ahead threads'
-store time.
+Time split (ms/step): ``dense`` = step - the training thread's store calls - ``wait``
+(for the prefetch thread, and at block ends); ``lmdb_read``/``lmdb_write``: the disk
+tier's timers (any thread); ``copies``: bytes moved device<->host over the gather/scatter
+rate measured here (an estimate); ``placement``: store calls (any thread) - copies - the
+LMDB time inside them; ``bg``: the prefetch and read-ahead threads' store time.  With
+prefetch the parts overlap and do not add up to the step.  The PROJECTION (never mixed
+with measurements) feeds hiermem.sim.cost with this run's LMDB cost per row and a GPU
+host's published bandwidths.
 
-The PROJECTION section (never mixed with the measurements) feeds hiermem.sim.cost with
-this run's per-row LMDB costs and a GPU host's published bandwidths.
-
-    python scripts/bench_train.py [--quick] [--png PATH]
-    full run: python scripts/bench_train.py  (3 workloads x sizes 1 2 4 8; ~30-40 min here)
+    python scripts/bench_train.py --quick [--png PATH]   (< 90 s on an idle 2-core host)
+    python scripts/bench_train.py                         (full: 3 workloads x 1 2 4 8 W)
 """
 
 from __future__ import annotations
@@ -543,7 +535,7 @@ def main(argv=None) -> int:
     load = (round(load0, 2), round(os.getloadavg()[0], 2))
     print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s; load average {load[0]} at the start, {load[1]} at the end"
           f" on {os.cpu_count()} cores" + ("  (SHARED MACHINE: other work competed for the cores, ratios are noisy)"
-                                          if max(load) > 0.75 * (os.cpu_count() or 1) else ""), file=sys.stderr)
+                                          if load0 > 0.5 * (os.cpu_count() or 1) else ""), file=sys.stderr)
     out = summary(res, Ws, proj, png, a)
     out.update(seconds=round(time.perf_counter() - t0, 1), load_average=load, cpus=os.cpu_count())
     print(json.dumps(out))

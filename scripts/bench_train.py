@@ -494,6 +494,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=None, help="device tier in multiples of W")
     ap.add_argument("--write-behind-sizes", type=int, nargs="*", default=None,
                     help="sizes also run with write-behind (default: all; quick: 2)")
+    ap.add_argument("--workloads", nargs="+", default=None, choices=("zipf1.05", "zipf1.2", "criteo"),
+                    help="default: all three (quick: zipf1.05 criteo)")
     ap.add_argument("--png", type=Path, default=None, help="default runs/bench_train.png")
     a = ap.parse_args(argv)
     a.rows = a.rows or (120_000 if a.quick else 500_000)
@@ -505,20 +507,22 @@ def main(argv=None) -> int:
     png = a.png or Path(__file__).resolve().parent.parent / "runs" / "bench_train.png"
     torch.manual_seed(0)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    wls = [zipf_workload(1.05, a.rows, a.dim, a.pooling)]
-    if not a.quick:
-        wls.append(zipf_workload(1.2, a.rows, a.dim, a.pooling, seed=100))
-    wls.append(criteo_workload(a.criteo_rows, a.dim, seed=200))
+    names = a.workloads or (["zipf1.05", "criteo"] if a.quick else ["zipf1.05", "zipf1.2", "criteo"])
+    make = {"zipf1.05": lambda: zipf_workload(1.05, a.rows, a.dim, a.pooling),
+            "zipf1.2": lambda: zipf_workload(1.2, a.rows, a.dim, a.pooling, seed=100),
+            "criteo": lambda: criteo_workload(a.criteo_rows, a.dim, seed=200)}
+    wls = [make[n]() for n in names]
     real = real_criteo_share()
+    alphas = [z.alpha for w in wls if w.name == "criteo" for z in w.samplers] or [0.0]
     print(f"criteo skew: top 1% of each table's rows take 90% of its accesses (Zipf exponents "
-          f"{min(s.alpha for s in wls[-1].samplers):.2f}..{max(s.alpha for s in wls[-1].samplers):.2f}); real head "
+          f"{min(alphas):.2f}..{max(alphas):.2f}); real head "
           + (f"(criteo-dac-head8k, 7,200 rows): top 1% of ids take {real:.0%}" if real is not None else "absent"),
           file=sys.stderr)
     rate = {}
     rate_fn = lambda d: rate.setdefault(d, copy_rate(d, 8192))  # noqa: E731
     res, Ws = {}, {}
     for wl in wls:
-        a.cold = wl is wls[0] or not a.quick  # quick: cold start and write-behind on zipf1.05 only
+        a.cold = wl is wls[0] or not a.quick  # quick: cold start and write-behind on the first only
         out, Ws[wl.name] = run_workload(a, wl, sizes, wb_sizes if a.cold else [], rate_fn)
         res.update(out)
     print_table(res)

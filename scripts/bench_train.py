@@ -162,24 +162,22 @@ def copy_rate(width: int, rows: int) -> float:
 
 
 class Trainer:
-    """One model + optimizers; ``step`` trains one batch."""
+    """One model + optimizers (dense SGD, and ``emb_opt`` for plain tables); ``step`` trains a batch."""
 
     def __init__(self, emb: nn.Module, n_tables: int, dim: int, emb_opt=None):
         torch.manual_seed(1)
         self.model = DLRM(emb, n_tables, dim)
-        self.dense_opt = torch.optim.SGD(self.model.dense_parameters(), lr=0.01)
-        self.emb_opt, self.loss_fn = emb_opt, nn.BCEWithLogitsLoss()
+        dense = torch.optim.SGD(self.model.dense_parameters(), lr=0.01)
+        self.opts, self.loss_fn = [o for o in (dense, emb_opt) if o is not None], nn.BCEWithLogitsLoss()
 
     def step(self, batch) -> None:
         dense, f, y = batch
         loss = self.loss_fn(self.model(dense, f), y)
-        self.dense_opt.zero_grad()
-        if self.emb_opt is not None:
-            self.emb_opt.zero_grad()
+        for o in self.opts:
+            o.zero_grad()
         loss.backward()
-        self.dense_opt.step()
-        if self.emb_opt is not None:
-            self.emb_opt.step()
+        for o in self.opts:
+            o.step()
 
 
 def settle(store, pipe) -> None:
@@ -308,8 +306,7 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
         shutil.rmtree(path, ignore_errors=True)
     base = a.steps * a.batch / bs
     res.update(baseline_samples_per_s=base, over_baseline=med, over_baseline_sums=res["samples_per_s"] / base,
-               warmup_steps=n,
-               settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb)
+               warmup_steps=n, settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb)
     print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
           f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
     return res
@@ -412,7 +409,7 @@ def projection(res: dict, row_bytes: int) -> dict:
     return out
 
 
-def plot(res: dict, names: list[str], sizes: list[int], png: Path) -> None:
+def plot(res: dict, names: list[str], sizes: list[int], png: Path, note: str) -> None:
     """Throughput over baseline vs device-tier size, a line per configuration, a panel per workload."""
     import matplotlib
     matplotlib.use("Agg")
@@ -426,6 +423,9 @@ def plot(res: dict, names: list[str], sizes: list[int], png: Path) -> None:
             pts = [(m, res[f"{wl}/{kind}@{m}W"]["over_baseline"]) for m in sizes if f"{wl}/{kind}@{m}W" in res]
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
+        cold = [(k.split("@")[1][:-1], c["over_baseline"]) for k, c in res.items() if k.startswith(f"{wl}/cold_pf@")]
+        if cold:
+            ax.plot([int(m) for m, _ in cold], [v for _, v in cold], "kx", label="cold start, prefetch 2 (30 steps)")
         if f"{wl}/device" in res:
             ax.axhline(res[f"{wl}/device"]["over_baseline"], color="grey", ls="--", label="all rows on device")
         ax.axhline(1.0, color="black", lw=0.5)
@@ -435,6 +435,7 @@ def plot(res: dict, names: list[str], sizes: list[int], png: Path) -> None:
         ax.set(title=wl, xlabel="device tier (multiples of W, distinct rows per batch)",
                ylabel="samples/s over in-memory nn.EmbeddingBag")
         ax.legend(fontsize=7)
+    fig.suptitle(note, fontsize=8)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
@@ -498,6 +499,8 @@ def main(argv=None) -> int:
                     help="default: all three (quick: zipf1.05 criteo)")
     ap.add_argument("--png", type=Path, default=None, help="default runs/bench_train.png")
     a = ap.parse_args(argv)
+    if a.steps < 30:
+        ap.error("--steps must be >= 30")
     a.rows = a.rows or (120_000 if a.quick else 500_000)
     a.criteo_rows = a.criteo_rows or (400_000 if a.quick else 4_000_000)
     a.batch = a.batch or (256 if a.quick else 512)
@@ -535,8 +538,9 @@ def main(argv=None) -> int:
         if isinstance(v, dict):
             print(f"  {k:26s} hides LMDB at steps >= {v['hide_disk_at_step_ms']:7.2f} ms "
                   f"(all transfers: {v['hide_all_io_at_step_ms']:.2f} ms)", file=sys.stderr)
-    plot(res, [w.name for w in wls], sizes, png)
     load = (round(load0, 2), round(os.getloadavg()[0], 2))
+    plot(res, [w.name for w in wls], sizes, png, f"measured on {os.cpu_count()} CPU cores (no GPU), batch {a.batch}, "
+         f"{a.steps} timed steps in blocks interleaved with the baseline; load average {load[0]} -> {load[1]}")
     print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s; load average {load[0]} at the start, {load[1]} at the end"
           f" on {os.cpu_count()} cores" + ("  (SHARED MACHINE: other work competed for the cores, ratios are noisy)"
                                           if load0 > 0.5 * (os.cpu_count() or 1) else ""), file=sys.stderr)

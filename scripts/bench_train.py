@@ -21,7 +21,8 @@ workload ``device`` (every row on the device tier) and ``cold_pf`` (2 x W, first
 steps from empty tiers with LMDB's pages dropped, depth 2; quick: zipf1.05 only).
 
 Steady state: untimed warm-up until the device hit rate of a 20-step window moves by
-< 0.5 points from the window before (capped; reported), then ``--steps`` timed steps in
+< 0.5 points from the window before and (disk configurations) the host tier has started
+evicting to LMDB (capped; reported), then ``--steps`` timed steps in
 blocks of 5 alternating with the baseline (nn.EmbeddingBag(sparse=True) + SGD, same
 model, same batches), so the machine's noise hits both; a ratio is the median of the
 blocks' ratios.  A hiermem block ends by waiting for the background work it started.
@@ -253,8 +254,9 @@ def figures(a: dict, b: dict, steps: int, batch: int, wb: bool, rate: float, sec
                 IO.BYTES_HOST_TO_DEVICE, IO.BYTES_DEVICE_TO_HOST, IO.BYTES_DISK_TO_HOST, IO.BYTES_HOST_TO_DISK)}}
 
 
-def warm(tr: Trainer, store, it, cap: int) -> tuple[int, bool]:
-    """Untimed steps until the 20-step device hit rate settles; (steps, settled)."""
+def warm(tr: Trainer, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
+    """Untimed steps until the 20-step device hit rate settles and, with ``fill_host``, the
+    host tier has started evicting to LMDB (until then no step writes); (steps, settled)."""
     prev, base, n = None, device_counts(store), 0
     while n < cap:
         tr.step(next(it))
@@ -262,7 +264,8 @@ def warm(tr: Trainer, store, it, cap: int) -> tuple[int, bool]:
         if n % WINDOW == 0:
             now = device_counts(store)
             h = 1 - (now[1] - base[1]) / max(1, now[0] - base[0])
-            if prev is not None and abs(h - prev) < TOLERANCE and n >= MIN_WARMUP:
+            full = not fill_host or int(store.counters.table[:, Tier.HOST, Stat.EVICTIONS].sum()) > 0
+            if prev is not None and abs(h - prev) < TOLERANCE and n >= MIN_WARMUP and full:
                 return n, True
             prev, base = h, now
     return n, False
@@ -293,7 +296,7 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
     pipe = hm.PrefetchPipeline(iter(batches), tr.model.embeddings, depth=depth) if depth else None
     it = pipe if pipe is not None else iter(batches)
     try:
-        n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap)
+        n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap, fill_host=not preload)
         if not cold:
             settle(store, pipe)
             s0 = snapshot(store, pipe)

@@ -186,7 +186,7 @@ class _Handle:
         self.released = True
         ticket = self.result
         if ticket is not None:
-            self.pipe._worker.submit(lambda: self.pipe.store.release(ticket))
+            self.pipe._worker.submit(lambda: self.pipe._timed_release(ticket))
         if self.next is not None:
             self.pipe._submit(self.next)  # no-op when already submitted
 
@@ -228,6 +228,8 @@ class PrefetchPipeline:
         self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead")
         self._keep = depth + 2 + self._window  # read-ahead batches the disk tier keeps
         self.wait_seconds = 0.0
+        self.prefetch_seconds = 0.0  # store.prefetch and release on the prefetch thread (only it adds)
+        self.read_ahead_seconds = 0.0  # store.read_ahead on the read-ahead thread (only it adds)
         self.late_batches = 0
         self.steps = 0
         self._depth_sum = 0
@@ -266,10 +268,13 @@ class PrefetchPipeline:
         return True
 
     def _read_ahead(self, h: _Handle) -> None:
+        t0 = time.perf_counter()
         try:
             self.store.read_ahead(h.tables, h.ids, keep=self._keep)
         except HierMemError:  # only speed is lost: the prefetch or lookup reads, and raises
             pass
+        finally:
+            self.read_ahead_seconds += time.perf_counter() - t0
 
     def _submit(self, h: _Handle) -> None:
         if h.submitted:
@@ -277,12 +282,21 @@ class PrefetchPipeline:
         h.submitted = True
 
         def job():
+            t0 = time.perf_counter()
             try:
                 self._set_lookahead(h)
                 h.result = self.store.prefetch(h.tables, h.ids)
             finally:
+                self.prefetch_seconds += time.perf_counter() - t0
                 h.done.set()
         self._worker.submit(job)
+
+    def _timed_release(self, ticket: Ticket) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.store.release(ticket)
+        finally:
+            self.prefetch_seconds += time.perf_counter() - t0
 
     def _set_lookahead(self, h: _Handle) -> None:
         """Tell a lookahead policy the rows of the ``window`` batches after ``h``."""
@@ -331,14 +345,22 @@ class PrefetchPipeline:
             self.min_effective_depth = min(self.min_effective_depth, eff)
 
     def stats(self) -> dict:
-        """Pipeline counters: steps, seconds waited for prefetch, late batches, effective depth."""
+        """Pipeline counters: steps, seconds waited for prefetch, seconds of the background
+        threads' store calls (prefetch and release; read-ahead), late batches, effective depth."""
         st = self.store.stats()["_store"]
         return {"steps": self.steps, "depth": self.depth, "wait_seconds": self.wait_seconds,
+                "prefetch_seconds": self.prefetch_seconds, "read_ahead_seconds": self.read_ahead_seconds,
                 "late_batches": self.late_batches, "min_effective_depth": self.min_effective_depth,
                 "mean_effective_depth": self._depth_sum / max(1, self.steps),
                 "prefetched_batches": st["prefetched_batches"], "prefetch_degraded": st["prefetch_degraded"],
                 "prefetched_rows": st["prefetched_rows"], "prefetch_hits": st["prefetch_hits"],
                 "late_prefetches": st["late_prefetches"]}
+
+    def wait_idle(self) -> None:
+        """Block until the prefetch and read-ahead threads have run every job submitted so
+        far (a benchmark's clock then holds all the background work of its steps)."""
+        self._worker.wait_idle(self.timeout)
+        self._reader.wait_idle(self.timeout)
 
     def close(self) -> None:
         """Release every pin and stop the thread (idempotent)."""

@@ -13,6 +13,15 @@ rates; the last line is a JSON object with the ratios (``fg_*_over_alone``: 1.0 
 the background cost the foreground nothing).  Needs two free cores to show the
 process's gain: on fewer, the processes share the foreground's core.
 
+Then the LMDB cost per row: microseconds per row of the store's batched read (one
+``DiskTier.read`` per table, as the store reads a step's missing rows) and write (one
+``DiskTier.write`` of every table's rows with the store's metadata, as an eviction
+write-back) of one step's rows (``--step-rows`` over 8 tables), against a raw py-lmdb
+loop over the same keys in the same environment and run (sorted ``getmulti`` and one
+buffer of values; ``putmulti`` in one transaction of prepared keys and values), in
+alternating order; medians of ``--reps``.  ``*_store_over_raw`` is the store's overhead
+(target <= 1.3).
+
     python scripts/bench_io.py [--quick]
 """
 
@@ -29,10 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hiermem.tiers.disk import DiskTier
+from hiermem.tiers.disk import DiskTier, encode_keys, key_list
 from hiermem.tiers import lmdb_process
 
 W = 16
+TABLES = 8
 
 
 def foreground(seconds: float) -> float:
@@ -86,6 +96,58 @@ def phase(path: Path, io: bool, rows: int, reads: int, writes: int, rate: float,
         disk.close()
 
 
+def raw_read(disk: DiskTier, keys: list[bytes]) -> np.ndarray:
+    """Raw py-lmdb: one sorted ``getmulti`` and the values as one float32 array."""
+    with disk.env.begin(db=disk.rows_db, buffers=False) as txn:
+        res = txn.cursor().getmulti(keys)
+    return np.frombuffer(b"".join([v for _, v in res]), dtype="<f4")
+
+
+def raw_write(disk: DiskTier, items: list[tuple[bytes, bytes]]) -> None:
+    """Raw py-lmdb: one transaction, one ``putmulti`` of prepared (key, value) pairs (through
+    the tier's transaction wrapper only so that a full map grows as for the store)."""
+    disk._write_txn(lambda txn: txn.cursor(db=disk.rows_db).putmulti(items))
+
+
+def step_rows(rng, rows: int, n: int) -> list[tuple[int, np.ndarray]]:
+    """One step's distinct rows: ``(table, sorted ids)`` for each of ``TABLES`` tables."""
+    per = rows // TABLES
+    return [(t, np.unique(rng.integers(0, per, n // TABLES))) for t in range(TABLES)]
+
+
+def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
+    """us per row of the store's batched read and write of a step's rows vs raw py-lmdb."""
+    d = DiskTier(path, create=True, sync=False, writemap=None)  # the store's defaults
+    try:
+        per = rows // TABLES
+        for t in range(TABLES):
+            d.write([(t, np.arange(per), np.zeros((per, W), dtype=np.float32))])
+        meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": W} for t in range(TABLES)], "seed": 0}
+        rng = np.random.default_rng(2)
+        times = {k: [] for k in ("read_store", "read_raw", "write_store", "write_raw")}
+        for r in range(-2, reps):  # two untimed rounds first (pages, the map's size)
+            groups = step_rows(rng, rows, n)
+            m = sum(len(ids) for _, ids in groups)
+            keys = key_list(np.sort(np.concatenate([encode_keys(np.full(len(i), t, dtype=np.uint32), i)
+                                                    for t, i in groups])))
+            recs = [(t, ids, rng.random((len(ids), W), dtype=np.float32)) for t, ids in groups]
+            items = list(zip(keys, [x.tobytes() for _, _, rec in recs for x in rec]))
+            ops = {"read_store": lambda: [d.read(t, ids, W) for t, ids in groups], "read_raw": lambda: raw_read(d, keys),
+                   "write_store": lambda: d.write(recs, meta=meta), "write_raw": lambda: raw_write(d, items)}
+            order = list(ops) if r % 2 else ["read_raw", "read_store", "write_raw", "write_store"]
+            for k in order:
+                t0 = time.perf_counter()
+                ops[k]()
+                if r >= 0:
+                    times[k].append((time.perf_counter() - t0) / m * 1e6)
+    finally:
+        d.close()
+    us = {k: float(np.median(v)) for k, v in times.items()}
+    return {**{f"{k}_us_per_row": round(v, 3) for k, v in us.items()},
+            "read_store_over_raw": round(us["read_store"] / us["read_raw"], 3),
+            "write_store_over_raw": round(us["write_store"] / us["write_raw"], 3), "rows_per_step": m}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rows, shorter phases (< 30 s)")
@@ -95,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=4.0,
                     help="background rounds per second (a step's I/O each; in-thread sustains about 5 here)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per phase (default 8, quick 3)")
+    ap.add_argument("--step-rows", type=int, default=13_000, help="ids drawn per step for the per-row costs")
+    ap.add_argument("--reps", type=int, default=None, help="steps timed for the per-row costs (default 40, quick 16)")
     a = ap.parse_args(argv)
     if not lmdb_process.supported():
         print("bench_io: I/O processes need Linux", file=sys.stderr)
@@ -112,6 +176,7 @@ def main(argv=None) -> int:
         alone = foreground(seconds)
         fg_t, bg_t = phase(path, False, rows, a.reads, a.writes, a.rate, seconds)
         fg_p, bg_p = phase(path, True, rows, a.reads, a.writes, a.rate, seconds)
+        cost = per_row_costs(tmp / "per-row", rows, a.step_rows, a.reps or (16 if a.quick else 40))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"bench_io: {rows} rows x {W} floats; per background round {a.reads} reads + {a.writes} writes, "
@@ -122,8 +187,13 @@ def main(argv=None) -> int:
           file=sys.stderr)
     print(f"  beside the I/O process  {fg_p:9.0f} units/s  x{fg_p / alone:.2f}   background {bg_p:6.1f} rounds/s",
           file=sys.stderr)
+    print(f"LMDB per row, one step's {cost['rows_per_step']} rows over {TABLES} tables (median us/row):",
+          file=sys.stderr)
+    for op in ("read", "write"):
+        print(f"  {op:5s}  store {cost[op + '_store_us_per_row']:6.3f}   raw py-lmdb {cost[op + '_raw_us_per_row']:6.3f}"
+              f"   store/raw x{cost[op + '_store_over_raw']:.2f}", file=sys.stderr)
     print(json.dumps({"fg_in_thread_over_alone": round(fg_t / alone, 3), "fg_io_process_over_alone": round(fg_p / alone, 3),
-                      "bg_io_process_over_in_thread": round(bg_p / bg_t, 3), "rate": a.rate, "rows": rows,
+                      "bg_io_process_over_in_thread": round(bg_p / bg_t, 3), **cost, "rate": a.rate, "rows": rows,
                       "quick": a.quick}))
     return 0
 

@@ -1,25 +1,43 @@
-"""DLRM training throughput through hiermem vs plain in-memory nn.EmbeddingBag, one run.
+"""DLRM training through hiermem against in-memory nn.EmbeddingBag: steady state, caches
+sized by the working set, where each step's time goes.  One run, one machine.
 
-Configurations (all on the same pre-generated Zipf batches, measured in this run):
-  baseline      plain nn.EmbeddingBag(sparse=True) tables + torch.optim.SGD, all in memory
-  device        hiermem, every row in the device tier (loaded before timing)
-  disk          hiermem, device 1% + host 10% + LMDB for the rest, no prefetch
-  disk_pf       the same with prefetch depth 2
-  disk_pf_cold  the same with the LMDB file's pages dropped from the page cache first
-                (posix_fadvise DONTNEED), prefetch depth 2
-  host_pf       device 1% + a host tier that holds every row (loaded before timing),
-                prefetch depth 2
-  disk_wb, disk_pf_wb
-                disk and disk_pf with StoreConfig(write_behind=True): eviction write-backs
-                committed to LMDB by a writer thread
-  disk_plain    disk with StoreConfig(writemap=False): commits copy their pages out with
-                pwrite instead of writing through LMDB's (preallocated) map
+Workloads (batches pre-generated, shared by every configuration and the baseline):
+zipf1.05 and zipf1.2: 8 tables, ``--pooling`` Zipf ids per bag.  criteo: 26 tables, one
+id per bag, sized after the 26 categorical features of the Criteo Kaggle Display
+Advertising Challenge (DAC) train.txt, C1..C26 = 1460, 583, 10131227, 2202608, 305, 24,
+12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547,
+18, 15, 286181, 105, 142572 distinct values (33,762,577 in all; as reported by the
+Kaggle preprocessing of facebookresearch/dlrm and reproduced across DLRM/CTR code),
+scaled by one factor to ``--criteo-rows`` (no table below min(cardinality, 100) rows);
+each table's Zipf exponent puts 90% of its accesses on its top 1% of rows.  The real
+head in ../shared/data/criteo-dac-head8k, when present, is read for comparison only.
 
-Every hiermem store starts from the same LMDB holding every row (a checkpoint restored
-per configuration).  Prints samples/s per configuration; the last line is one JSON
-object with the ratios, including prefetch_disk_over_baseline and prefetch_disk_over_host.
+Sizing: W = mean distinct rows per batch; device tier m x W (``--sizes``, 1 2 4 8;
+quick 1 2), host tier 8x the device tier, tables >= 50x the device tier, the rest on
+LMDB (every row starts there: one template restored per configuration).  Per size:
+``host_pf`` (every row in the host tier, prefetch depth 2), ``disk`` (no prefetch),
+``disk_pf`` (depth 2), and at ``--write-behind-sizes`` ``disk_wb``/``disk_pf_wb``; per
+workload ``device`` (every row on the device tier) and ``cold_pf`` (2 x W, first 30
+steps from empty tiers with LMDB's pages dropped, depth 2; quick: zipf1.05 only).
 
-    python scripts/bench_train.py [--quick]
+Steady state: untimed warm-up until the device hit rate of a 20-step window moves by
+< 0.5 points from the window before and (disk configurations) the host tier has started
+evicting to LMDB (capped; reported), then ``--steps`` timed steps in
+blocks of 5 alternating with the baseline (nn.EmbeddingBag(sparse=True) + SGD, same
+model, same batches), so the machine's noise hits both; a ratio is the median of the
+blocks' ratios.  A hiermem block ends by waiting for the background work it started.
+
+Time split (ms/step): ``dense`` = step - the training thread's store calls - ``wait``
+(for the prefetch thread, and at block ends); ``lmdb_read``/``lmdb_write``: the disk
+tier's timers (any thread); ``copies``: bytes moved device<->host over the gather/scatter
+rate measured here (an estimate); ``placement``: store calls (any thread) - copies - the
+LMDB time inside them; ``bg``: the prefetch and read-ahead threads' store time.  With
+prefetch the parts overlap and do not add up to the step.  The PROJECTION (never mixed
+with measurements) feeds hiermem.sim.cost with this run's LMDB cost per row and a GPU
+host's published bandwidths.
+
+    python scripts/bench_train.py --quick [--png PATH]   (< 90 s on an idle 2-core host)
+    python scripts/bench_train.py                         (full: 3 workloads x 1 2 4 8 W)
 """
 
 from __future__ import annotations
@@ -31,59 +49,274 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hiermem as hm
-from hiermem.data import ZipfIds
-from hiermem.dlrm import DLRM, PlainEmbeddingBags
-from hiermem.stats import Counters
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import hiermem as hm  # noqa: E402
+from hiermem.data import ZipfIds, shared_data_dir  # noqa: E402
+from hiermem.dlrm import DLRM, PlainEmbeddingBags  # noqa: E402
+from hiermem.sim.cost import CostModel  # noqa: E402
+from hiermem.stats import IO, STAT_TIERS, Counters, Stat  # noqa: E402
+from hiermem.types import Tier  # noqa: E402
+
+CRITEO_KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+                 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
+# published peak figures of a GPU host, for the projection only
+GPU_HBM_BPS = 4.8e12  # H200 HBM3e
+GPU_PCIE_BPS = 55e9  # PCIe Gen5 x16, effective
+GPU_NVME_BPS = 7e9  # one Gen4/5 NVMe drive, sequential read (also used for writes)
+WINDOW, TOLERANCE, MIN_WARMUP = 20, 0.005, 40
+DEPTH = 2
+BLOCK = 5  # timed steps per block, alternating hiermem and baseline
 
 
-def make_batches(n, tables, batch, pooling, alpha, seed=0):
-    """``n`` batches of (dense, SparseFeatures, labels): ``pooling`` Zipf ids per bag."""
+@dataclass(frozen=True)
+class Workload:
+    """Tables, one id sampler per table, and ids per bag."""
+
+    name: str
+    tables: tuple
+    samplers: tuple
+    pooling: int
+
+
+def top_share(n: int, alpha: float, top: float = 0.01) -> float:
+    """Share of accesses that the top ``top`` fraction of ``n`` Zipf(``alpha``) ranks take."""
+    w = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    return float(w[:max(1, int(round(top * n)))].sum() / w.sum())
+
+
+def alpha_for_share(n: int, share: float = 0.9) -> float:
+    """Zipf exponent at which the top 1% of ``n`` rows take ``share`` of accesses (bisection)."""
+    lo, hi = 0.1, 8.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if top_share(n, mid) < share else (lo, mid)
+    return (lo + hi) / 2
+
+
+def criteo_workload(total_rows: int, dim: int, seed: int = 0) -> Workload:
+    """26 tables scaled from the Criteo Kaggle cardinalities, 1% of rows -> 90% of accesses."""
+    s = total_rows / sum(CRITEO_KAGGLE)
+    rows = [max(min(c, 100), int(round(c * s))) for c in CRITEO_KAGGLE]
+    tables = tuple(hm.TableSpec(f"C{i + 1}", r, dim) for i, r in enumerate(rows))
+    samplers = tuple(ZipfIds(r, alpha_for_share(r), seed=seed + i) for i, r in enumerate(rows))
+    return Workload("criteo", tables, samplers, 1)
+
+
+def zipf_workload(alpha: float, rows: int, dim: int, pooling: int, seed: int = 0) -> Workload:
+    """8 tables of ``rows`` rows, Zipf(``alpha``) ids."""
+    tables = tuple(hm.TableSpec(f"t{i}", rows, dim) for i in range(8))
+    return Workload(f"zipf{alpha:g}", tables, tuple(ZipfIds(rows, alpha, seed=seed + i) for i in range(8)), pooling)
+
+
+def real_criteo_share() -> float | None:
+    """Top-1%-of-ids access share of the real Criteo head (None when the data is absent)."""
+    d = shared_data_dir()
+    f = d / "criteo-dac-head8k" / "cat_ids.npy" if d is not None else None
+    if f is None or not f.is_file():
+        return None
+    c = np.load(f, allow_pickle=False).astype(np.int64)
+    glob = (c + np.concatenate(([0], np.cumsum(c.max(0) + 1)[:-1])))[c >= 0]
+    counts = np.sort(np.bincount(glob))[::-1]
+    counts = counts[counts > 0]
+    return float(counts[:max(1, len(counts) // 100)].sum() / counts.sum())
+
+
+def make_batches(wl: Workload, n: int, batch: int, seed: int = 0) -> list:
+    """``n`` batches of (dense [B, 13], SparseFeatures, labels [B])."""
     rng = np.random.default_rng(seed)
-    zipf = [ZipfIds(t.num_rows, alpha, seed=seed + i) for i, t in enumerate(tables)]
+    lengths = torch.full((len(wl.tables) * batch,), wl.pooling, dtype=torch.int64)
+    keys = tuple(t.name for t in wl.tables)
     out = []
     for _ in range(n):
-        vals = np.concatenate([z(batch * pooling) for z in zipf])
-        lengths = torch.full((len(tables) * batch,), pooling, dtype=torch.int64)
-        f = hm.SparseFeatures(tuple(t.name for t in tables), torch.from_numpy(vals), lengths)
-        out.append((torch.from_numpy(rng.standard_normal((batch, 13), dtype=np.float32)), f,
+        vals = torch.from_numpy(np.concatenate([z(batch * wl.pooling) for z in wl.samplers]))
+        out.append((torch.from_numpy(rng.standard_normal((batch, 13), dtype=np.float32)),
+                    hm.SparseFeatures(keys, vals, lengths),
                     torch.from_numpy((rng.random(batch) < 0.25).astype(np.float32))))
     return out
 
 
-def train(model, emb_opt, batches, pipe_depth=0, warmup=3):
-    """Samples/s over ``batches`` after ``warmup`` steps (which are not timed)."""
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=0.01)
-    loss_fn = nn.BCEWithLogitsLoss()
-    emb = model.embeddings
-    it = hm.PrefetchPipeline(iter(batches), emb, depth=pipe_depth) if pipe_depth else iter(batches)
-    t0, n = None, 0
-    for i, (dense, f, y) in enumerate(it):
-        if i == warmup:
-            t0 = time.perf_counter()
-        loss = loss_fn(model(dense, f), y)
-        dense_opt.zero_grad()
-        if emb_opt is not None:
-            emb_opt.zero_grad()
+def working_set(wl: Workload, batches: list) -> float:
+    """W: mean distinct rows (over all tables) per batch."""
+    off = torch.tensor(np.cumsum([0] + [t.num_rows for t in wl.tables[:-1]]))
+    return float(np.mean([torch.unique(f.values + torch.repeat_interleave(off, f.key_lengths())).numel()
+                          for _, f, _ in batches[:50]]))
+
+
+def copy_rate(width: int, rows: int) -> float:
+    """Bytes/s of a random gather + scatter of ``rows`` records (the tiers' record copies)."""
+    src, dst = torch.randn(rows * 8, width), torch.zeros(rows * 4, width)
+    i, j = torch.randint(0, rows * 8, (rows,)), torch.randperm(rows * 4)[:rows]
+    best = float("inf")
+    for _ in range(20):  # the fastest of 20: the machine is shared
+        t0 = time.perf_counter()
+        dst.index_copy_(0, j, src.index_select(0, i))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * width * 4 / best
+
+
+class Trainer:
+    """One model + optimizers (dense SGD, and ``emb_opt`` for plain tables); ``step`` trains a batch."""
+
+    def __init__(self, emb: nn.Module, n_tables: int, dim: int, emb_opt=None):
+        torch.manual_seed(1)
+        self.model = DLRM(emb, n_tables, dim)
+        dense = torch.optim.SGD(self.model.dense_parameters(), lr=0.01)
+        self.opts, self.loss_fn = [o for o in (dense, emb_opt) if o is not None], nn.BCEWithLogitsLoss()
+
+    def step(self, batch) -> None:
+        dense, f, y = batch
+        loss = self.loss_fn(self.model(dense, f), y)
+        for o in self.opts:
+            o.zero_grad()
         loss.backward()
-        dense_opt.step()
-        if emb_opt is not None:
-            emb_opt.step()
-        if i >= warmup:
-            n += y.numel()
-    dt = time.perf_counter() - t0
-    if pipe_depth:
-        it.close()
-    return n / dt
+        for o in self.opts:
+            o.step()
+
+
+def settle(store, pipe) -> None:
+    """Wait for the background work already started: prefetch, read-ahead, write-behind."""
+    if pipe is not None:
+        pipe.wait_idle()
+    store._disk.drain()  # the write-behind queue (a no-op without it)
+
+
+def timed_blocks(tr: Trainer, it, store, pipe, base: Trainer, batches: list, start: int, steps: int,
+                 t_first: float | None = None) -> tuple[float, float, float, float]:
+    """Seconds of ``steps`` hiermem steps and of the baseline over the same batches, in
+    alternating blocks of ``BLOCK`` (the machine's noise hits both alike).  Each hiermem
+    block ends by waiting for its background work, so none of it runs during a baseline
+    block; ``t_first``: when the first block's clock started (cold start: before the
+    pipeline was built).  Returns (hiermem s, baseline s, s of those waits, the median of
+    the blocks' hiermem-over-baseline rates: robust to a burst of load in one block)."""
+    for b in batches[max(0, start - 3):start] or batches[-3:]:
+        base.step(b)
+    hs = bs = ws = 0.0
+    ratios = []
+    for i in range(start, start + steps, BLOCK):
+        t0 = t_first if t_first is not None and i == start else time.perf_counter()
+        for _ in range(min(BLOCK, start + steps - i)):
+            tr.step(next(it))
+        tw = time.perf_counter()
+        settle(store, pipe)
+        t1 = time.perf_counter()
+        ws += t1 - tw
+        for b in batches[i:min(i + BLOCK, start + steps)]:
+            base.step(b)
+        t2 = time.perf_counter()
+        hs, bs = hs + t1 - t0, bs + t2 - t1
+        ratios.append((t2 - t1) / (t1 - t0))
+    return hs, bs, ws, float(np.median(ratios))
+
+
+def snapshot(store, pipe) -> dict:
+    """Counters and timers of the store (and pipeline) now, as plain numbers."""
+    c = store.counters
+    rd, wr = store._disk.durations()
+    return {"table": c.table.sum(0).clone(), "io": c.io.clone(),
+            "fg": c.lookup_seconds.sum + c.update_seconds.sum, "read": rd.sum, "write": wr.sum,
+            "wait": pipe.wait_seconds if pipe else 0.0, "pf": pipe.prefetch_seconds if pipe else 0.0,
+            "ra": pipe.read_ahead_seconds if pipe else 0.0}
+
+
+def device_counts(store) -> tuple[int, int]:
+    """Device tier (lookups, misses) so far."""
+    t = store.counters.table[:, Tier.DEVICE]
+    return int(t[:, Stat.LOOKUPS].sum()), int(t[:, Stat.MISSES].sum())
+
+
+def figures(a: dict, b: dict, steps: int, batch: int, wb: bool, rate: float, seconds: float,
+            settled: float) -> dict:
+    """Per-step figures between snapshots ``a`` and ``b``: ``seconds`` of timed steps, of
+    which ``settled`` waited at block ends for background work."""
+    tab, io = b["table"] - a["table"], b["io"] - a["io"]
+    d = {k: b[k] - a[k] for k in ("fg", "read", "write", "wait", "pf", "ra")}
+    d["t"], d["wait"] = seconds, d["wait"] + settled
+    hit = {t.label: round(int(tab[t, Stat.HITS]) / max(1, int(tab[t, Stat.LOOKUPS])), 4) for t in STAT_TIERS}
+    rows = {"host_to_device": int(tab[Tier.DEVICE, Stat.MISSES]), "device_to_host": int(tab[Tier.DEVICE, Stat.EVICTIONS]),
+            "disk_to_host": int(tab[Tier.DISK, Stat.LOOKUPS]), "host_to_disk": int(tab[Tier.HOST, Stat.WRITEBACKS])}
+    copies = int(io[IO.BYTES_HOST_TO_DEVICE] + io[IO.BYTES_DEVICE_TO_HOST]) / rate
+    write_in_store = 0.0 if wb else d["write"]
+    place = max(0.0, d["fg"] + d["pf"] - copies - max(0.0, d["read"] - d["ra"]) - write_in_store)
+    ms = {"step": d["t"], "dense": max(0.0, d["t"] - d["fg"] - d["wait"]), "placement": place, "copies": copies,
+          "lmdb_read": d["read"], "lmdb_write": d["write"], "wait": d["wait"], "bg": d["pf"] + d["ra"]}
+    return {"samples_per_s": steps * batch / d["t"], "hit_rates": hit,
+            "rows_per_step": {k: round(v / steps, 1) for k, v in rows.items()},
+            "ms_per_step": {k: round(1e3 * v / steps, 2) for k, v in ms.items()},
+            "bytes_per_step": {k.name.lower(): int(io[k]) / steps for k in (
+                IO.BYTES_HOST_TO_DEVICE, IO.BYTES_DEVICE_TO_HOST, IO.BYTES_DISK_TO_HOST, IO.BYTES_HOST_TO_DISK)}}
+
+
+def warm(tr: Trainer, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
+    """Untimed steps until the 20-step device hit rate settles and, with ``fill_host``, the
+    host tier has started evicting to LMDB (until then no step writes); (steps, settled)."""
+    prev, base, n = None, device_counts(store), 0
+    while n < cap:
+        tr.step(next(it))
+        n += 1
+        if n % WINDOW == 0:
+            now = device_counts(store)
+            h = 1 - (now[1] - base[1]) / max(1, now[0] - base[0])
+            full = not fill_host or int(store.counters.table[:, Tier.HOST, Stat.EVICTIONS].sum()) > 0
+            if prev is not None and abs(h - prev) < TOLERANCE and n >= MIN_WARMUP and full:
+                return n, True
+            prev, base = h, now
+    return n, False
+
+
+def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool, preload: bool):
+    """A store restored from the template, every row loaded when ``preload``; counters zeroed."""
+    store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb)
+    if preload:
+        for t in wl.tables:
+            for i in range(0, t.num_rows, 1 << 16):
+                store.lookup(t.name, torch.arange(i, min(t.num_rows, i + (1 << 16))))
+        store.counters = Counters(len(wl.tables))
+    return store
+
+
+def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: int, wb: bool = False,
+               preload: bool = False, cold: bool = False) -> dict:
+    """Train one configuration (warm-up, then timed steps) and its interleaved baseline."""
+    a, batches, t_start = ctx["args"], ctx["batches"], time.perf_counter()
+    path = ctx["tmp"] / name.replace("/", "_").replace("@", "_")
+    store = open_store(ctx["ck"], path, wl, dev, host, wb, preload)
+    if cold:
+        drop_page_cache(path)
+    tr = Trainer(hm.CachedEmbeddingBagCollection(wl.tables, store=store), len(wl.tables), a.dim)
+    s0 = snapshot(store, None)
+    t_pipe = time.perf_counter()
+    pipe = hm.PrefetchPipeline(iter(batches), tr.model.embeddings, depth=depth) if depth else None
+    it = pipe if pipe is not None else iter(batches)
+    try:
+        n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap, fill_host=not preload)
+        if not cold:
+            settle(store, pipe)
+            s0 = snapshot(store, pipe)
+        hs, bs, ws, med = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n, a.steps, t_pipe if cold else None)
+        res = figures(s0, snapshot(store, pipe), a.steps, a.batch, wb, ctx["rate"], hs, ws)
+    finally:
+        if pipe is not None:
+            pipe.close()
+        store.close()
+        shutil.rmtree(path, ignore_errors=True)
+    base = a.steps * a.batch / bs
+    res.update(baseline_samples_per_s=base, over_baseline=med, over_baseline_sums=res["samples_per_s"] / base,
+               warmup_steps=n, settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb)
+    print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
+          f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
+    return res
 
 
 def drop_page_cache(path: Path) -> None:
+    """Drop the LMDB files' pages from the page cache (posix_fadvise DONTNEED)."""
     for f in path.glob("*.mdb"):
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -93,101 +326,229 @@ def drop_page_cache(path: Path) -> None:
             os.close(fd)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small tables and few steps (< 60 s)")
-    ap.add_argument("--tables", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=None, help="rows per table (default 500k, quick 100k)")
-    ap.add_argument("--dim", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=2048)
-    ap.add_argument("--pooling", type=int, default=4)
-    ap.add_argument("--alpha", type=float, default=1.05)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30, quick 10)")
-    ap.add_argument("--in-thread-io", action="store_true",
-                    help="background LMDB I/O on the store's threads, not its I/O processes (io_process=False)")
-    a = ap.parse_args(argv)
-    rows = a.rows or (100_000 if a.quick else 500_000)
-    steps = a.steps or (10 if a.quick else 30)
-    warmup = 3
-    torch.manual_seed(0)
-    tables = [hm.TableSpec(f"t{i}", rows, a.dim) for i in range(a.tables)]
-    total = rows * a.tables
-    batches = make_batches(steps + warmup, tables, a.batch, a.pooling, a.alpha)
-    distinct = np.mean([torch.unique(f.values + torch.repeat_interleave(
-        torch.arange(a.tables) * rows, f.key_lengths())).numel() for _, f, _ in batches])
-    print(f"bench_train: {a.tables} tables x {rows} rows x dim {a.dim} ({total * a.dim * 4 / 2**20:.0f} MiB), "
-          f"batch {a.batch} x {a.pooling} ids per table, Zipf {a.alpha}; {distinct:.0f} distinct rows per batch; "
-          f"{steps} timed steps", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix="hiermem-bench-train-"))
-    res = {}
+def template(wl: Workload, plain: PlainEmbeddingBags, tmp: Path) -> Path:
+    """A checkpoint holding every row of ``plain`` in LMDB (restored per configuration)."""
+    m = hm.CachedEmbeddingBagCollection.from_embedding_bags(
+        dict(plain.bags.items()), hm.StoreConfig(path=tmp / "live", device_rows=1024, host_rows=1024,
+                                                 optimizer=hm.SGD(lr=0.05)))
+    ck = m.checkpoint(tmp / "template")
+    m.store.close()
+    shutil.rmtree(tmp / "live")
+    return ck
+
+
+def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn) -> tuple[dict, float]:
+    """Every configuration of one workload; ({config name: figures}, W)."""
+    n_batches = a.warmup_cap + a.steps + DEPTH + 8
+    batches = make_batches(wl, n_batches, a.batch)
+    W = working_set(wl, batches)
+    total = sum(t.num_rows for t in wl.tables)
+    print(f"{wl.name}: {len(wl.tables)} tables, {total} rows x dim {a.dim}, batch {a.batch} x {wl.pooling}; "
+          f"W = {W:.0f} distinct rows per batch; tables = {total / (max(sizes) * W):.0f}x the largest device tier",
+          file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f"hiermem-bench-train-{wl.name}-"))
+    out = {}
     try:
-        plain = PlainEmbeddingBags(tables)
-        torch.manual_seed(1)
-        model = DLRM(plain, a.tables, a.dim)
-        res["baseline"] = train(model, torch.optim.SGD(plain.parameters(), lr=0.05), batches, warmup=warmup)
-        # one LMDB template holding every row, restored for each hiermem configuration
+        plain = PlainEmbeddingBags(wl.tables)
+        base = Trainer(plain, len(wl.tables), a.dim, torch.optim.SGD(plain.parameters(), lr=0.05))
         t0 = time.perf_counter()
-        tmpl = hm.CachedEmbeddingBagCollection.from_embedding_bags(
-            dict(plain.bags.items()), hm.StoreConfig(path=tmp / "template-live", device_rows=1024, host_rows=1024,
-                                                     optimizer=hm.SGD(lr=0.05)))
-        ck = tmpl.checkpoint(tmp / "template")
-        tmpl.store.close()
-        shutil.rmtree(tmp / "template-live")
-        print(f"  LMDB template of {total} rows written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        dev1, host10 = max(1, total // 100), max(1, total // 10)
-        # (device rows, host rows, prefetch depth, drop LMDB pages first, preload every row, write-behind,
-        #  writemap: None is the default, on where the filesystem allows)
-        configs = {"device": (total + 1024, 1024, 0, False, True, False, None),
-                   "disk": (dev1, host10, 0, False, False, False, None),
-                   "disk_pf": (dev1, host10, 2, False, False, False, None),
-                   "disk_pf_cold": (dev1, host10, 2, True, False, False, None),
-                   "host_pf": (dev1, total + 1024, 2, False, True, False, None),
-                   "disk_wb": (dev1, host10, 0, False, False, True, None),
-                   "disk_pf_wb": (dev1, host10, 2, False, False, True, None),
-                   "disk_plain": (dev1, host10, 0, False, False, False, False)}
-        writemap = {}
-        for name, (d, h, depth, cold, preload, wb, wm) in configs.items():
-            path = tmp / name
-            store = hm.HierarchicalStore.restore(ck, path, device_rows=d, host_rows=h, write_behind=wb,
-                                                 io_process=not a.in_thread_io, writemap=wm)
-            writemap[name] = store.stats()["_store"]["disk_writemap"]
-            if preload:  # every row resident before timing (device-resident / host-backed)
-                for t in tables:
-                    for i in range(0, rows, 1 << 16):
-                        store.lookup(t.name, torch.arange(i, min(rows, i + (1 << 16))))
-                store.counters = Counters(len(tables))
-            if cold:
-                drop_page_cache(path)
-            emb = hm.CachedEmbeddingBagCollection(tables, store=store)
-            torch.manual_seed(1)
-            res[name] = train(DLRM(emb, a.tables, a.dim), None, batches, pipe_depth=depth, warmup=warmup)
-            st = store.stats()
-            hits = {t: sum(st[x.name][t]["hits"] for x in tables) / max(1, sum(st[x.name][t]["lookups"]
-                                                                             for x in tables))
-                    for t in ("device", "host", "disk")}
-            res[name + "_hit_rates"] = {k: round(v, 4) for k, v in hits.items()}
-            store.close()
-            shutil.rmtree(path)
-        for k in ("baseline", *configs):
-            print(f"  {k:13s} {res[k]:12.0f} samples/s   x{res[k] / res['baseline']:.2f} of baseline", file=sys.stderr)
+        ctx = {"args": a, "batches": batches, "tmp": tmp, "ck": template(wl, plain, tmp), "base": base,
+               "rate": rate_fn(wl.tables[0].dim)}
+        print(f"  LMDB template of {total} rows: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        out[f"{wl.name}/device"] = run_config(ctx, wl, f"{wl.name}/device", total + 1024, 1024, 0, preload=True)
+        for m in sizes:
+            dev = int(m * W)
+            for kind, host, depth, wb, pre in (("host_pf", total + 1024, DEPTH, False, True),
+                                               ("disk", 8 * dev, 0, False, False),
+                                               ("disk_pf", 8 * dev, DEPTH, False, False),
+                                               *((("disk_wb", 8 * dev, 0, True, False),
+                                                  ("disk_pf_wb", 8 * dev, DEPTH, True, False)) if m in wb_sizes else ())):
+                name = f"{wl.name}/{kind}@{m}W"
+                out[name] = run_config(ctx, wl, name, dev, host, depth, wb=wb, preload=pre)
+        if a.cold:
+            dev = int(2 * W)
+            out[f"{wl.name}/cold_pf@2W"] = run_config(ctx, wl, f"{wl.name}/cold_pf@2W", dev, 8 * dev, DEPTH, cold=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    b = res["baseline"]
-    out = {"baseline_samples_per_s": round(b, 1),
-           **{f"{k}_samples_per_s": round(res[k], 1) for k in configs},
-           "device_over_baseline": round(res["device"] / b, 3),
-           "disk_over_baseline": round(res["disk"] / b, 3),
-           "prefetch_disk_over_baseline": round(res["disk_pf"] / b, 3),
-           "prefetch_cold_disk_over_baseline": round(res["disk_pf_cold"] / b, 3),
-           "prefetch_disk_over_host": round(res["disk_pf"] / res["host_pf"], 3),
-           "prefetch_over_no_prefetch": round(res["disk_pf"] / res["disk"], 3),
-           "write_behind_disk_over_baseline": round(res["disk_wb"] / b, 3),
-           "write_behind_prefetch_disk_over_baseline": round(res["disk_pf_wb"] / b, 3),
-           "write_behind_over_sync": round(res["disk_wb"] / res["disk"], 3),
-           "writemap_over_plain": round(res["disk"] / res["disk_plain"], 3),
-           "hit_rates": {k: res[k + "_hit_rates"] for k in configs},
-           "distinct_rows_per_batch": round(float(distinct), 1), "rows": total, "quick": a.quick,
-           "io_process": not a.in_thread_io, "writemap": writemap}
+    return out, W
+
+
+def ratio(res: dict, num: str, den: str) -> float | None:
+    """``res[num]`` over ``res[den]``, each as a ratio to its own interleaved baseline (None
+    if either is missing)."""
+    if num not in res or den not in res:
+        return None
+    return res[num]["over_baseline"] / res[den]["over_baseline"]
+
+
+def worst(res: dict, pairs: tuple) -> float | None:
+    """The smallest ratio of configuration kinds ``(num, den)`` over every workload and size."""
+    r = [ratio(res, k.replace(pairs[i][1], pairs[i][0]), k) for k in res for i in range(len(pairs))
+         if k.split("/")[1].startswith(pairs[i][1] + "@")]
+    r = [x for x in r if x is not None]
+    return min(r) if r else None
+
+
+def projection(res: dict, row_bytes: int) -> dict:
+    """Per disk configuration, the projected I/O per step on a GPU host (hiermem.sim.cost)."""
+    def per_row(part: str, rows: str) -> float:
+        v = [c["ms_per_step"][part] / 1e3 / c["rows_per_step"][rows] for k, c in res.items()
+             if "/disk" in k and c["rows_per_step"][rows] > 0]
+        return float(np.median(v)) if v else 0.0
+    rd, wr = per_row("lmdb_read", "disk_to_host"), per_row("lmdb_write", "host_to_disk")
+    model = CostModel(host_to_device=GPU_PCIE_BPS, device_to_host=GPU_PCIE_BPS,
+                      disk_read=1 / (rd / row_bytes + 1 / GPU_NVME_BPS),
+                      disk_write=1 / (wr / row_bytes + 1 / GPU_NVME_BPS),
+                      device_accesses_per_s=GPU_HBM_BPS / row_bytes)
+    out = {"lmdb_read_us_per_row_here": round(rd * 1e6, 3), "lmdb_write_us_per_row_here": round(wr * 1e6, 3)}
+    for k, c in res.items():
+        if "/disk" not in k or c["write_behind"]:
+            continue
+        b = c["bytes_per_step"]
+        st = model.estimate(1, 0, b["bytes_host_to_device"], b["bytes_device_to_host"], b["bytes_disk_to_host"],
+                            b["bytes_host_to_disk"], prefetch_depth=DEPTH)
+        out[k] = {"hide_disk_at_step_ms": round(1e3 * (st.disk_read + st.disk_write), 3),
+                  "hide_all_io_at_step_ms": round(1e3 * st.io, 3)}
+    return out
+
+
+def plot(res: dict, names: list[str], sizes: list[int], png: Path, note: str) -> None:
+    """Throughput over baseline vs device-tier size, a line per configuration, a panel per workload."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, wl in zip(axes[0], names):
+        for kind, label, style in (("host_pf", "host-backed, prefetch 2", "o-"), ("disk", "disk, no prefetch", "s-"),
+                                   ("disk_pf", "disk, prefetch 2", "^-"), ("disk_wb", "disk, write-behind", "s:"),
+                                   ("disk_pf_wb", "disk, prefetch 2 + write-behind", "^:")):
+            pts = [(m, res[f"{wl}/{kind}@{m}W"]["over_baseline"]) for m in sizes if f"{wl}/{kind}@{m}W" in res]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        cold = [(k.split("@")[1][:-1], c["over_baseline"]) for k, c in res.items() if k.startswith(f"{wl}/cold_pf@")]
+        if cold:
+            ax.plot([int(m) for m, _ in cold], [v for _, v in cold], "kx", label="cold start, prefetch 2 (30 steps)")
+        if f"{wl}/device" in res:
+            ax.axhline(res[f"{wl}/device"]["over_baseline"], color="grey", ls="--", label="all rows on device")
+        ax.axhline(1.0, color="black", lw=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{m}W" for m in sizes])
+        ax.set_ylim(bottom=0)
+        ax.set(title=wl, xlabel="device tier (multiples of W, distinct rows per batch)",
+               ylabel="samples/s over in-memory nn.EmbeddingBag")
+        ax.legend(fontsize=7)
+    fig.suptitle(note, fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def print_table(res: dict) -> None:
+    """One row per configuration: ratio, warm-up, hit rates, rows crossing, ms split (stderr)."""
+    p = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    p(f"\n{'configuration':26s} {'x base':>6s} {'warm':>4s} {'hit dev/host/disk':>17s} "
+      f"{'rows/step h>d d>h k>h h>k':>28s}  {'ms/step: step dense place copy read write wait bg':>56s}")
+    for k, c in res.items():
+        h, r, m = c["hit_rates"], c["rows_per_step"], c["ms_per_step"]
+        p(f"{k:26s} {c['over_baseline']:6.3f} {c['warmup_steps']:4d} {h['device']:5.3f}/{h['host']:5.3f}/{h['disk']:5.3f}"
+          f" {r['host_to_device']:7.0f}{r['device_to_host']:7.0f}{r['disk_to_host']:7.0f}{r['host_to_disk']:6.0f}"
+          f"          {m['step']:7.1f}{m['dense']:6.1f}{m['placement']:6.1f}{m['copies']:5.1f}{m['lmdb_read']:6.1f}"
+          f"{m['lmdb_write']:6.1f}{m['wait']:6.1f}{m['bg']:6.1f}")
+
+
+def summary(res: dict, Ws: dict, proj: dict, png: Path, a) -> dict:
+    """The JSON line: headline ratios, then every configuration's figures."""
+    r = lambda k: None if k not in res else round(res[k]["over_baseline"], 3)  # noqa: E731
+    rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    head = "zipf1.05/disk_pf@2W"
+    return {"steady_host_over_baseline": r("zipf1.05/host_pf@2W"),
+            "steady_disk_prefetch_over_baseline": r(head),
+            "criteo_steady_disk_prefetch_over_baseline": r("criteo/disk_pf@2W"),
+            "cold_disk_prefetch_over_baseline": r("zipf1.05/cold_pf@2W"),
+            "device_over_baseline": r("zipf1.05/device"),
+            "worst_prefetch_over_no_prefetch": rnd(worst(res, (("disk_pf", "disk"), ("disk_pf_wb", "disk_wb")))),
+            "worst_write_behind_over_sync": rnd(worst(res, (("disk_wb", "disk"), ("disk_pf_wb", "disk_pf")))),
+            "warmup_steps": res[head]["warmup_steps"] if head in res else None,
+            "warmup_steps_max": max(c["warmup_steps"] for c in res.values()),
+            "warmup_capped": [k for k, c in res.items() if not c["settled"]],
+            "working_set_rows": {k: round(v, 1) for k, v in Ws.items()},
+            "quick": a.quick, "batch": a.batch, "timed_steps": a.steps, "png": str(png),
+            "configs": {k: {"over_baseline": round(c["over_baseline"], 3),
+                            "over_baseline_sums": round(c["over_baseline_sums"], 3),
+                            "samples_per_s": round(c["samples_per_s"], 1),
+                            "baseline_samples_per_s": round(c["baseline_samples_per_s"], 1),
+                            "warmup_steps": c["warmup_steps"], "hit_rates": c["hit_rates"],
+                            "rows_per_step": c["rows_per_step"], "ms_per_step": c["ms_per_step"]}
+                        for k, c in res.items()},
+            "projection_gpu_host": proj}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="zipf1.05 + criteo, sizes 1 2 W (< 90 s)")
+    ap.add_argument("--rows", type=int, default=None, help="rows per Zipf table (default 500k, quick 120k)")
+    ap.add_argument("--criteo-rows", type=int, default=None, help="Criteo rows in all (default 4M, quick 400k)")
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=None, help="samples per batch (default 512, quick 256)")
+    ap.add_argument("--pooling", type=int, default=4, help="ids per bag, Zipf workloads")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration (>= 30)")
+    ap.add_argument("--warmup-cap", type=int, default=None, help="most warm-up steps (default 300, quick 100)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="device tier in multiples of W")
+    ap.add_argument("--write-behind-sizes", type=int, nargs="*", default=None,
+                    help="sizes also run with write-behind (default: all; quick: 2)")
+    ap.add_argument("--workloads", nargs="+", default=None, choices=("zipf1.05", "zipf1.2", "criteo"),
+                    help="default: all three (quick: zipf1.05 criteo)")
+    ap.add_argument("--png", type=Path, default=None, help="default runs/bench_train.png")
+    a = ap.parse_args(argv)
+    if a.steps < 30:
+        ap.error("--steps must be >= 30")
+    a.rows = a.rows or (120_000 if a.quick else 500_000)
+    a.criteo_rows = a.criteo_rows or (400_000 if a.quick else 4_000_000)
+    a.batch = a.batch or (256 if a.quick else 512)
+    a.warmup_cap = a.warmup_cap or (100 if a.quick else 300)
+    sizes = a.sizes or ([1, 2] if a.quick else [1, 2, 4, 8])
+    wb_sizes = a.write_behind_sizes if a.write_behind_sizes is not None else ([2] if a.quick else sizes)
+    png = a.png or Path(__file__).resolve().parent.parent / "runs" / "bench_train.png"
+    torch.manual_seed(0)
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    names = a.workloads or (["zipf1.05", "criteo"] if a.quick else ["zipf1.05", "zipf1.2", "criteo"])
+    make = {"zipf1.05": lambda: zipf_workload(1.05, a.rows, a.dim, a.pooling),
+            "zipf1.2": lambda: zipf_workload(1.2, a.rows, a.dim, a.pooling, seed=100),
+            "criteo": lambda: criteo_workload(a.criteo_rows, a.dim, seed=200)}
+    wls = [make[n]() for n in names]
+    real = real_criteo_share()
+    alphas = [z.alpha for w in wls if w.name == "criteo" for z in w.samplers] or [0.0]
+    print(f"criteo skew: top 1% of each table's rows take 90% of its accesses (Zipf exponents "
+          f"{min(alphas):.2f}..{max(alphas):.2f}); real head "
+          + (f"(criteo-dac-head8k, 7,200 rows): top 1% of ids take {real:.0%}" if real is not None else "absent"),
+          file=sys.stderr)
+    rate = {}
+    rate_fn = lambda d: rate.setdefault(d, copy_rate(d, 8192))  # noqa: E731
+    res, Ws = {}, {}
+    for wl in wls:
+        a.cold = wl is wls[0] or not a.quick  # quick: cold start and write-behind on the first only
+        out, Ws[wl.name] = run_workload(a, wl, sizes, wb_sizes if a.cold else [], rate_fn)
+        res.update(out)
+    print_table(res)
+    proj = projection(res, a.dim * 4)
+    print("\nPROJECTION (not measured): step time a GPU host (HBM 4.8 TB/s, PCIe Gen5 x16 55 GB/s, NVMe 7 GB/s) "
+          f"needs for prefetch to hide the disk tier, with this machine's LMDB cost per row "
+          f"({proj['lmdb_read_us_per_row_here']} us read, {proj['lmdb_write_us_per_row_here']} us write):",
+          file=sys.stderr)
+    for k, v in proj.items():
+        if isinstance(v, dict):
+            print(f"  {k:26s} hides LMDB at steps >= {v['hide_disk_at_step_ms']:7.2f} ms "
+                  f"(all transfers: {v['hide_all_io_at_step_ms']:.2f} ms)", file=sys.stderr)
+    load = (round(load0, 2), round(os.getloadavg()[0], 2))
+    plot(res, [w.name for w in wls], sizes, png, f"measured on {os.cpu_count()} CPU cores (no GPU), batch {a.batch}, "
+         f"{a.steps} timed steps in blocks interleaved with the baseline; load average {load[0]} -> {load[1]}")
+    print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s; load average {load[0]} at the start, {load[1]} at the end"
+          f" on {os.cpu_count()} cores" + ("  (SHARED MACHINE: other work competed for the cores, ratios are noisy)"
+                                          if load0 > 0.5 * (os.cpu_count() or 1) else ""), file=sys.stderr)
+    out = summary(res, Ws, proj, png, a)
+    out.update(seconds=round(time.perf_counter() - t0, 1), load_average=load, cpus=os.cpu_count())
     print(json.dumps(out))
     return 0
 

@@ -1,0 +1,62 @@
+"""The benchmark scripts' pure helpers: Criteo sizing and skew, ratio bookkeeping, the
+LMDB per-row comparison (the scripts themselves are run by hand; see the README)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"hm_{name}", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bt():
+    return _load("bench_train")
+
+
+@pytest.mark.parametrize("n", [100, 5_000, 200_000])
+def test_alpha_puts_ninety_percent_on_the_top_one_percent(bt, n):
+    assert bt.top_share(n, bt.alpha_for_share(n)) == pytest.approx(0.9, abs=1e-3)
+
+
+def test_criteo_workload_follows_the_kaggle_cardinalities(bt):
+    wl = bt.criteo_workload(1_000_000, 16)
+    rows = np.array([t.num_rows for t in wl.tables])
+    card = np.array(bt.CRITEO_KAGGLE)
+    assert len(rows) == 26 and sum(card) == 33_762_577
+    assert abs(rows.sum() - 1_000_000) < 2_000
+    big = card > 100_000
+    np.testing.assert_allclose(rows[big] / rows[big].sum(), card[big] / card[big].sum(), rtol=1e-3)
+    assert (rows >= np.minimum(card, 100)).all()
+    ranks = wl.samplers[2].ranks(50_000)  # rank 0 is the hottest row
+    assert (ranks < round(rows[2] / 100)).mean() == pytest.approx(0.9, abs=0.01)
+
+
+def test_worst_ratio_pairs_each_configuration_with_its_counterpart(bt):
+    res = {"w/disk@1W": {"over_baseline": 0.5}, "w/disk_pf@1W": {"over_baseline": 0.4},
+           "w/disk@2W": {"over_baseline": 0.5}, "w/disk_pf@2W": {"over_baseline": 0.6},
+           "w/disk_wb@2W": {"over_baseline": 0.25}, "w/disk_pf_wb@2W": {"over_baseline": 0.3}}
+    assert bt.worst(res, (("disk_pf", "disk"),)) == pytest.approx(0.8)
+    assert bt.worst(res, (("disk_wb", "disk"), ("disk_pf_wb", "disk_pf"))) == pytest.approx(0.5)
+    assert bt.worst({}, (("disk_pf", "disk"),)) is None
+
+
+def test_bench_io_per_row_costs_compare_the_same_rows(tmp_path):
+    io = _load("bench_io")
+    out = io.per_row_costs(tmp_path / "lmdb", 8_000, 2_000, 2)
+    assert out["rows_per_step"] > 1_000
+    for op in ("read", "write"):
+        assert out[f"{op}_store_us_per_row"] > 0 and out[f"{op}_raw_us_per_row"] > 0
+        assert out[f"{op}_store_over_raw"] > 0

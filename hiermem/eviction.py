@@ -28,13 +28,8 @@ import torch
 
 from .core import policy as _pk
 from .core import victims as _vk
+from .core.index import as_array
 from .errors import InvalidArgumentError, PolicyFileError
-
-
-def _np(x, dtype=np.int64) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.ascontiguousarray(x, dtype=dtype)
 
 
 class EvictionPolicy:
@@ -94,11 +89,11 @@ class EvictionPolicy:
 
     def on_access(self, slots, clock, counts) -> None:
         """Resident ``slots`` were used ``counts`` times, last at access ``clock``."""
-        _pk.access(self.state, _np(slots), _np(clock), _np(counts), False)
+        _pk.access(self.state, as_array(slots), as_array(clock), as_array(counts), False)
 
     def on_insert(self, slots, clock, counts) -> None:
         """Rows new to the cache (from disk or the initialiser) entered ``slots``."""
-        _pk.access(self.state, _np(slots), _np(clock), _np(counts), True)
+        _pk.access(self.state, as_array(slots), as_array(clock), as_array(counts), True)
 
     def on_remove(self, slots) -> None:
         """Rows left ``slots`` (evicted, promoted or dropped): their keys go stale."""
@@ -106,7 +101,7 @@ class EvictionPolicy:
     def carry(self, slots) -> torch.Tensor:
         """State to hand to another tier when rows move: ``[n, 3]`` float64 (key bits,
         score, uses)."""
-        s = _np(slots)
+        s = as_array(slots)
         out = np.empty((s.size, 3), dtype=np.float64)
         out[:, 0] = self._key[s].view(np.float64)
         out[:, 1] = self._score[s]
@@ -115,14 +110,14 @@ class EvictionPolicy:
 
     def on_carry_in(self, slots, carried) -> None:
         """Rows moved in from another tier of the same policy, with their :meth:`carry`."""
-        c = _np(carried, np.float64)
-        _pk.carry_in(self.state, _np(slots), np.ascontiguousarray(c[:, 0]).view(np.int64),
+        c = as_array(carried, np.float64)
+        _pk.carry_in(self.state, as_array(slots), np.ascontiguousarray(c[:, 0]).view(np.int64),
                      np.ascontiguousarray(c[:, 1]), c[:, 2].astype(np.int64))
 
     def on_lookahead(self, slots) -> None:
         """The rows in ``slots`` will be used by the next ``window`` batches; this set
         replaces the previous call's.  Default: ignored."""
-        _pk.lookahead_keys(self.state, _np(slots))
+        _pk.lookahead_keys(self.state, as_array(slots))
 
     def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
         """``n`` slots to evict, the smallest ``(key, slot)`` first, among the slots of
@@ -134,7 +129,7 @@ class EvictionPolicy:
         """
         if n <= 0:
             return torch.empty(0, dtype=torch.int64)
-        ev = _np(evictable, np.bool_)
+        ev = as_array(evictable, np.bool_)
         keys_t = np.where(ev, 0, -1).astype(np.int64)
         out = np.empty(n, dtype=np.int64)
         got = _vk.scan(self.state, keys_t, np.zeros(self.capacity, np.int32), np.zeros(self.capacity, np.uint8),
@@ -145,7 +140,7 @@ class EvictionPolicy:
 
     def check_reservoir(self, occupied) -> None:
         """Assert the reservoir's invariant (a debugging aid; O(capacity))."""
-        kt = np.where(_np(occupied, np.bool_), 0, -1).astype(np.int64)
+        kt = np.where(as_array(occupied, np.bool_), 0, -1).astype(np.int64)
         assert _vk.check(self.state, kt), f"{self.name}: a slot with a key <= tau is not in the reservoir"
 
 

@@ -42,7 +42,7 @@ from .batched import BatchedOps
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
-from .tiers.slots import Rows
+from .tiers.slots import Rows, by_tier
 from .types import StoreConfig, TableSpec, Tier
 
 _OPEN: set[str] = set()  # store directories open in this process
@@ -431,10 +431,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
     def _write_back(self, wb: np.ndarray) -> None:
         """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused."""
-        D = self._dev.capacity
-        on_host = wb >= D
         parts = []
-        for tier, slots in ((self._host, wb[on_host] - D), (self._dev, wb[~on_host])):
+        for tier, slots in by_tier(wb, self._dev, self._host):
             if slots.size:
                 s = torch.from_numpy(slots)
                 parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s),

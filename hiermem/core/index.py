@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .jit import helper, kernel, tiny
+from .jit import kernel, tiny
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -223,11 +223,12 @@ def _nbuckets(capacity: int) -> int:
     return nb
 
 
-def _np(x) -> np.ndarray:
-    """An int64 numpy view of a CPU tensor or array (a copy only when needed)."""
+def as_array(x, dtype=np.int64) -> np.ndarray:
+    """A contiguous numpy array of ``dtype`` for a kernel: a view of a CPU tensor or array
+    when it already is one, else a copy (device tensors come to the CPU)."""
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
-    return np.ascontiguousarray(x, dtype=np.int64)
+    return np.ascontiguousarray(x, dtype=dtype)
 
 
 class KeyIndex:
@@ -284,26 +285,26 @@ class KeyIndex:
 
     def find(self, t, k) -> torch.Tensor:
         """Slot of each key ``(t[i], k[i])`` (int64, CPU), or -1 where absent."""
-        t, k = _np(t), _np(k)
+        t, k = as_array(t), as_array(k)
         out = np.empty(k.size, dtype=np.int64)
         find(self.meta, self.offsets, self.slot_of, self.tab, t, k, out)
         return torch.from_numpy(out)
 
     def insert(self, t, k, slots) -> None:
         """Insert distinct keys known to be absent, mapping them to free ``slots``."""
-        t, k, v = _np(t), _np(k), _np(slots)
+        t, k, v = as_array(t), as_array(k), as_array(slots)
         assert self.size + k.size <= self.capacity, "KeyIndex over capacity"
         insert(self.meta, self.offsets, self.slot_of, self.rev, self.tab, t, k, v)
 
     def remove_slots(self, slots) -> None:
         """Drop the keys mapped to ``slots`` (each mapped)."""
-        v = _np(slots)
+        v = as_array(slots)
         assert bool((self.rev[v] >= 0).all()), "KeyIndex.remove_slots of an unmapped slot"
         remove(self.meta, self.slot_of, self.rev, self.tab, v)
 
     def move_slots(self, src, dst) -> None:
         """Keys mapped to ``src[i]`` now map to ``dst[i]``, all pairs at once."""
-        s, d = _np(src), _np(dst)
+        s, d = as_array(src), as_array(dst)
         assert bool((self.rev[s] >= 0).all()), "KeyIndex.move_slots of an unmapped slot"
         move(self.meta, self.slot_of, self.rev, self.tab, s, d)
 

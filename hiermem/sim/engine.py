@@ -48,7 +48,7 @@ from ..core import plan as _plan
 from ..core.index import KeyIndex
 from ..core.replay import replay
 from ..stats import IO, STAT_TIERS, Counters, Stat
-from ..tiers.slots import SlotTier
+from ..tiers.slots import SlotTier, by_tier
 from ..types import Tier
 from .cost import CostModel, StepTime
 from .trace import Trace, load_trace
@@ -301,8 +301,7 @@ class Simulator:
         io[IO.BYTES_DISK_TO_HOST] += int(found.sum()) * row
         if nw:
             g = ws[_plan.WB, :nw]
-            on_host = g >= dev.capacity
-            for tier, s in ((host, g[on_host] - host.base), (dev, g[~on_host])):
+            for tier, s in by_tier(g, dev, host):
                 kt, kk = tier.state[0][s], tier.state[1][s]
                 self._written[self.b.row_base[kt] + kk] = 1
             io[IO.BYTES_HOST_TO_DISK] += nw * row

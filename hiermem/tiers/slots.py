@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.index import as_array
 from ..core.plan import BASE, CAP, NFREE, NPINNED
 from ..eviction import PolicySpec
 from ..types import Tier
@@ -34,10 +35,10 @@ class Rows:
         return self.k.numel()
 
 
-def _np(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.ascontiguousarray(x, dtype=np.int64)
+def by_tier(g: np.ndarray, dev: "SlotTier", host: "SlotTier") -> tuple:
+    """``((host, its slots), (device, its slots))`` of global slots ``g`` (int64 numpy)."""
+    on_host = g >= host.base
+    return (host, g[on_host] - host.base), (dev, g[~on_host])
 
 
 class SlotTier:
@@ -63,7 +64,6 @@ class SlotTier:
         self.keys_t, self.keys_k = torch.from_numpy(kt), torch.from_numpy(kk)
         self.dirty, self.pins = torch.from_numpy(dirty), torch.from_numpy(pins)
         self.policy = policy.build(C)
-        self.no_slots = torch.empty(0, dtype=torch.int64)
         assert self.meta[CAP] == C and self.meta[BASE] == self.base
 
     @property
@@ -85,7 +85,7 @@ class SlotTier:
 
     def pin(self, slots, delta: int) -> None:
         """Add ``delta`` to the pin counts of ``slots`` (distinct, occupied)."""
-        s = _np(slots)
+        s = as_array(slots)
         pins = self.state[3]
         before = pins[s]
         after = before + delta

@@ -78,12 +78,12 @@ def _put_bucket(meta, tab, rev, t, k, v):
 def rehash(meta, tab, rev):
     """Rebuild the hash table in place without tombstones (same keys, same slots)."""
     nb = tab.size // 3
-    live = 0
+    live = np.int64(0)
     for p in range(nb):
         if tab[3 * p] >= 0:
             live += 1
     keep = np.empty((live, 3), dtype=np.int64)
-    j = 0
+    j = np.int64(0)
     for p in range(nb):
         if tab[3 * p] >= 0:
             keep[j, 0] = tab[3 * p]
@@ -195,7 +195,7 @@ def _items(meta, offsets, slot_of, rev, tab):
     t = np.empty(n, dtype=np.int64)
     k = np.empty(n, dtype=np.int64)
     v = np.empty(n, dtype=np.int64)
-    j = 0
+    j = np.int64(0)
     for s in range(rev.size):
         e = rev[s]
         if e < 0:

@@ -18,6 +18,10 @@ import os
 from pathlib import Path
 
 import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 
@@ -77,3 +81,20 @@ def helper(fn):
     tuple inside a loop costs a reference-count round trip (tens of ns), more than the
     work of a placement step.  Kernels unpack their tuples once, at the top."""
     return numba.njit(cache=True, nogil=True)(fn)
+
+
+if DISABLED:
+    def f64_bits(x):
+        """The bits of float64 ``x`` as an int64."""
+        return np.array([x], dtype=np.float64).view(np.int64)[0]
+else:
+    @intrinsic
+    def _f64_bits(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(64))
+        return types.int64(types.float64), codegen
+
+    @tiny
+    def f64_bits(x):
+        """The bits of float64 ``x`` as an int64 (a register move: no array, no memory)."""
+        return _f64_bits(np.float64(x))

@@ -56,7 +56,7 @@ def workspace(n: int) -> tuple[np.ndarray, np.ndarray]:
 def _mark_held(pins, mark, slots, base, n, flag):
     """Mark (flag 1) or clear (flag 0) tier slots ``slots[:n] - base``; returns how many
     of them are unpinned (the evictable ones the batch holds)."""
-    held = 0
+    held = np.int64(0)
     for j in range(n):
         s = slots[j] - base
         mark[s] = flag
@@ -78,7 +78,7 @@ def decide_(meta, offsets, slot_of, rev, tab,
     Hb = htm[BASE]
     g, mi = ws[G], ws[MI]
     find(meta, offsets, slot_of, tab, bt, bk, g)
-    m = 0
+    m = np.int64(0)
     for i in range(U):
         if g[i] < 0 or g[i] >= D:
             mi[m] = i
@@ -88,9 +88,9 @@ def decide_(meta, offsets, slot_of, rev, tab,
     if m == 0:
         return
     dnfree = dtm[NFREE]
-    dev_ev = 0
+    dev_ev = np.int64(0)
     hits = ws[MOVED]  # scratch: the device hits' slots
-    nh = 0
+    nh = np.int64(0)
     n_move = m
     if m > dnfree:
         for i in range(U):
@@ -100,7 +100,7 @@ def decide_(meta, offsets, slot_of, rev, tab,
         held = _mark_held(dpins, dmark, hits, 0, nh, 1)
         dev_ev = (D - dnfree) - dtm[NPINNED] - held
         n_move = min(m, dnfree + dev_ev)
-    na = nb = nc = ne = 0
+    na = nb = nc = ne = np.int64(0)
     for j in range(m):
         on_host = g[mi[j]] >= D
         if j < n_move:
@@ -114,9 +114,9 @@ def decide_(meta, offsets, slot_of, rev, tab,
             ne += 1
     n_vd = max(0, n_move - dnfree)
     hnfree = htm[NFREE]
-    host_ev = 0
+    host_ev = np.int64(0)
     hheld = ws[ENTRY]  # scratch: the misses' host slots
-    nhh = 0
+    nhh = np.int64(0)
     if n_vd + ne <= hnfree + na:
         room_h = hnfree + na - ne
     else:
@@ -148,13 +148,13 @@ def decide_(meta, offsets, slot_of, rev, tab,
     if nhh:
         _mark_held(hpins, hmark, hheld, Hb, nhh, 0)
     disk = ws[DISK]
-    nd = 0
+    nd = np.int64(0)
     for j in range(m):
         if g[mi[j]] < 0:
             disk[nd] = mi[j]
             nd += 1
     wb = ws[WB]
-    nw = 0
+    nw = np.int64(0)
     for j in range(n_vh):
         if hdirty[vh[j]]:
             wb[nw] = Hb + vh[j]
@@ -233,7 +233,7 @@ def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slot
     loop is the hot path of a swap)."""
     base = tm[BASE]
     nfree = tm[NFREE]
-    unpinned = 0
+    unpinned = np.int64(0)
     for j in range(n):
         s = slots[j]
         c = j0 + j
@@ -271,7 +271,7 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
     base = tm[BASE]
     direct = meta[0] == 0
     valid, tau = rm[0] != 0, rm[1]
-    pinned = 0
+    pinned = np.int64(0)
     for j in range(n):
         d = free[fb + j]
         dst[j] = d
@@ -324,7 +324,7 @@ def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, k
 @helper
 def _account(bt, counts, g, mi, m, D, ws, res, counters):
     """Lookups, hits and misses per table and tier of an accounted placement."""
-    j = 0
+    j = np.int64(0)
     for i in range(bt.size):
         t = bt[i]
         miss = j < m and mi[j] == i
@@ -359,7 +359,7 @@ def commit_(meta, offsets, slot_of, rev, tab,
     wsf = ws[SV_SCORE].view(np.float64)  # saved scores (float64 bits)
     pos, sl = ws[SV_T], ws[SV_K]  # scratch until rows are saved: positions, slots
     m = res[M]
-    nh = 0
+    nh = np.int64(0)
     for i in range(U):
         gi = g[i]
         moved[i] = 0
@@ -379,12 +379,12 @@ def commit_(meta, offsets, slot_of, rev, tab,
     vd = ws[VD]
     # (each helper call passes every array once, about a microsecond: skipped when idle)
     if res[N_VH]:
-        _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, _HOST)
+        _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, np.int64(_HOST))
     if n_skip:
-        _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, _DEV)
+        _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, np.int64(_DEV))
     # rows changing tier keep their index entries; saved before any slot is reused
     up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
-    na = 0
+    na = np.int64(0)
     for j in range(n_move):
         gi = g[mi[j]]
         if gi >= D:
@@ -400,12 +400,12 @@ def commit_(meta, offsets, slot_of, rev, tab,
             counters[t, _DEV, _WRITEBACKS] += 1
     extra = np.int64(dparams[0]) == LFU_DECAY
     if na:
-        _save_many(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, up_src, na, ws, wsf, 0)
+        _save_many(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, up_src, na, ws, wsf, np.int64(0))
     if nd:
         _save_many(rev, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, dn_src, nd, ws, wsf, na)
     if na:
         _restore_many(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, drm,
-                      dhk, dhs, na, up_dst, ws, wsf, 0)
+                      dhk, dhs, na, up_dst, ws, wsf, np.int64(0))
     if nd:
         _restore_many(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, hrm,
                       hhk, hhs, nd, dn_dst, ws, wsf, na)
@@ -413,7 +413,7 @@ def commit_(meta, offsets, slot_of, rev, tab,
     # where each miss lands; rows from disk in disk order (device ones first)
     pa, pb, pc, pe = ws[WB], ws[SV_T], ws[SV_K], ws[SV_DIRTY]  # scratch (saved rows are placed)
     sl = ws[SV_PINS]
-    ja = jb = jc = je = 0
+    ja = jb = jc = je = np.int64(0)
     for j in range(m):
         i = mi[j]
         if j < n_move:
@@ -441,7 +441,7 @@ def commit_(meta, offsets, slot_of, rev, tab,
         _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst, pa, ja, clock, counts, False)
     if jb:
         _new_many(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams,
-                  drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, 0)
+                  drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, np.int64(0))
     if account and jc:
         _touch_many(hkey, hscore, huses, hparams, hrm, hhk, hhs, sl, pc, jc, clock, counts, False)
     if je:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import helper, kernel, tiny
+from .jit import f64_bits, kernel, tiny
 from .victims import drop, set_key
 
 LRU, LFU, LFU_DECAY, LOOKAHEAD = 0, 1, 2, 3
@@ -39,17 +39,10 @@ _LN2 = 0.6931471805599453
 @tiny
 def f2key(x):
     """An int64 with the order of float64 ``x`` (no NaN)."""
-    b = _bits(x)
+    b = f64_bits(x)
     if b < 0:
         b = b ^ np.int64(0x7FFFFFFFFFFFFFFF)
     return b
-
-
-@helper
-def _bits(x):
-    a = np.empty(1, dtype=np.float64)
-    a[0] = x
-    return a.view(np.int64)[0]
 
 
 @tiny

@@ -34,7 +34,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
     dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
     hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
     hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    nmax = 0
+    nmax = np.int64(0)
     for i in range(offsets.size - 1):
         nmax = max(nmax, offsets[i + 1] - offsets[i])
     bt = np.empty(nmax, dtype=np.int64)
@@ -42,6 +42,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
     clock = np.empty(nmax, dtype=np.int64)
     counts = np.empty(nmax, dtype=np.int64)
     D = dtm[2]
+    account = np.bool_(True)  # a variable, not the literal: commit_ compiled once for both callers
     c0 = clock0
     for i in range(offsets.size - 1):
         a, b = offsets[i], offsets[i + 1]
@@ -70,7 +71,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
             counts[0] = 1
         else:
             order = np.argsort(rows[a:b], kind="mergesort")
-            u = 0
+            u = np.int64(0)
             for j in range(n):
                 r = rows[a + order[j]]
                 if u == 0 or r != rows[a + order[j - 1]]:
@@ -106,7 +107,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
                 dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
                 hkt, hkk, hdirty, hpins, hfree, htm, hmark,
                 hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-                t_, k_, cl_, cn_, True, ws, res, counters)
+                t_, k_, cl_, cn_, account, ws, res, counters)
         io[_D2H] += res[N_DN] * row_bytes
         io[_H2D] += (res[N_UP] + res[NB]) * row_bytes
         if updates:

@@ -73,7 +73,7 @@ def _pop(hk, hs, n):
     """Remove the top of a heap of ``n`` entries (``n >= 1``)."""
     n -= 1
     k, s = hk[n], hs[n]
-    i = 0
+    i = np.int64(0)
     while True:
         c = 2 * i + 1
         if c >= n:
@@ -104,16 +104,50 @@ def set_key(key, rm, hk, hs, s, k):
             rm[_HLEN] = n + 1
 
 
+@tiny
+def _median3(a, b, c):
+    if a < b:
+        return b if b < c else (c if a < c else a)
+    return a if a < c else (c if b < c else b)
+
+
+@helper
+def _select(a, n, k):
+    """The ``k``-th smallest of ``a[:n]`` (0-based), permuting ``a`` in place: a
+    quickselect (Hoare partition, median of three), O(n) expected.  Written out instead
+    of ``np.partition``, whose compiled form took ten seconds of the first import."""
+    lo, hi = 0, n - 1
+    while lo < hi:
+        p = _median3(a[lo], a[(lo + hi) >> 1], a[hi])
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < p:
+                i += 1
+            while a[j] > p:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            return a[k]
+    return a[k]
+
+
 @helper
 def build_(key, rm, run_s, run_k, keys_t, r):
     """A reservoir of the ``r`` occupied slots of smallest key (and all their ties)."""
-    occ = 0
+    occ = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0:
             occ += 1
     ks = np.empty(occ, dtype=np.int64)
     ss = np.empty(occ, dtype=np.int64)
-    j = 0
+    j = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0:
             ks[j] = key[s]
@@ -122,8 +156,8 @@ def build_(key, rm, run_s, run_k, keys_t, r):
     if r >= occ:
         tau = INT64_MAX
     else:
-        tau = np.partition(ks, r - 1)[r - 1]
-        j = 0  # ks was permuted by partition: take the entries again from the slots
+        tau = _select(ks, occ, r - 1)
+        j = np.int64(0)  # ks was permuted by the selection: take the entries again from the slots
         for s in range(keys_t.size):
             if keys_t[s] >= 0 and key[s] <= tau:
                 ks[j] = key[s]
@@ -145,13 +179,13 @@ def build_(key, rm, run_s, run_k, keys_t, r):
 @helper
 def scan_(key, rm, keys_t, pins, mark, n, out):
     """Victims by a pass over the tier; returns how many were found (< n: too few)."""
-    m = 0
+    m = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
             m += 1
     ks = np.empty(m, dtype=np.int64)
     ss = np.empty(m, dtype=np.int64)
-    j = 0
+    j = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
             ks[j] = key[s]
@@ -168,11 +202,11 @@ def scan_(key, rm, keys_t, pins, mark, n, out):
 @helper
 def _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out):
     """Victims from the reservoir, merged from the run and the heap; the number found."""
-    found = 0
+    found = np.int64(0)
     i = rm[_POS]
     rlen = rm[_RLEN]
     lead = True
-    nside = 0
+    nside = np.int64(0)
     while found < n:
         while i < rlen:  # the next current, evictable run entry
             s = run_s[i]

@@ -2,22 +2,32 @@
 
 ``import hiermem`` calls :func:`ensure_compiled`: with a warm cache it only checks a
 stamp file (the kernels load lazily, on first use); on a fresh install it compiles
-everything now (about half a minute), so the first batch of a training run is not the
-one that waits.  ``NUMBA_DISABLE_JIT=1`` skips it.
+everything now, so the first batch of a training run is not the one that waits.  The
+kernels fall in two halves of about equal compile time (placement decisions and the
+index; the commit and the replay loop), compiled at once in this process and a child
+process when the machine has a second core (numba compiles on one thread); both write
+the same on-disk cache.  ``NUMBA_DISABLE_JIT=1`` skips it.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from . import jit
 
+_CHILD = "HIERMEM_WARM_CHILD"  # set in the child: its own import must not warm again
 
-def _exercise() -> None:
-    """Call each kernel on tiny inputs of the types the store and simulator pass."""
+
+def _exercise(part: int | None = None) -> None:
+    """Call each kernel on tiny inputs of the types the store and simulator pass:
+    ``part`` 0 the index, policy, victim and decide kernels; 1 commit, abort and the
+    replay loop; None both."""
     from ..eviction import PolicySpec
     from ..tiers.slots import SlotTier
     from ..types import Tier
@@ -31,49 +41,86 @@ def _exercise() -> None:
     i64 = np.int64
     for sizes in ([50, 50], [None, None]):
         ix = KeyIndex(12, sizes)
-        t, k = np.array([0, 1], dtype=i64), np.array([3, 4], dtype=i64)
-        ix.insert(t, k, np.array([0, 5], dtype=i64))
-        ix.find(t, k)
-        ix.move_slots(np.array([0], dtype=i64), np.array([1], dtype=i64))
-        ix.items()
-        ix.remove_slots(np.array([1, 5], dtype=i64))
-        ixk.rehash(ix.meta, ix.tab, ix.rev) if not ix.direct else None
         dev = SlotTier(Tier.DEVICE, 4, 0, "cpu", PolicySpec("lru"), base=0)
         host = SlotTier(Tier.HOST, 8, 0, "cpu", PolicySpec("lru"), base=4)
         counters = np.zeros((2, 3, 5), dtype=i64)
         ws, res = P.workspace(8)
-        for step in range(3):
-            bt = np.array([0, 0, 1, 1, 1], dtype=i64)
-            bk = np.array([1, 2, 1, 2, 3 + step], dtype=i64)
-            P.decide(ix.arrays, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
-            P.commit(ix.arrays, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk,
-                     np.arange(5, dtype=i64), np.ones(5, dtype=i64), True, ws, res, counters)
-        P.abort(dev.policy.state, host.policy.state)
-        dev.pin(np.array([0], dtype=i64), 1)
-        pol = dev.policy
-        pk.access(pol.state, np.array([0], dtype=i64), np.array([9], dtype=i64), np.array([1], dtype=i64), False)
-        pk.carry_in(pol.state, np.array([0], dtype=i64), np.array([9], dtype=i64), np.zeros(1), np.ones(1, dtype=i64))
-        pk.lookahead_keys(pol.state, np.array([0], dtype=i64))
-        out = np.empty(2, dtype=i64)
-        vk.victims(pol.state, dev.state[0], dev.state[3], dev.state[6], 1, 3, 4, out)
-        vk.scan(pol.state, dev.state[0], dev.state[3], dev.state[6], 1, out)
-        vk.check(pol.state, dev.state[0])
-    tix = KeyIndex(3, [5], direct=True)
-    d2 = SlotTier(Tier.DEVICE, 2, 0, "cpu", PolicySpec("lru"), base=0)
-    h2 = SlotTier(Tier.HOST, 1, 0, "cpu", PolicySpec("lru"), base=2)
-    replay(tix.arrays, d2.state, d2.policy.state, h2.state, h2.policy.state, np.array([0, 1, 2, 3, 1], dtype=i64),
-           np.array([0, 1, 3, 5], dtype=i64), np.zeros(5, dtype=i64), np.zeros(1, dtype=i64),
-           np.zeros(5, dtype=np.uint8), True, np.zeros((1, 3, 5), dtype=i64), np.zeros(16, dtype=i64), 8,
-           *P.workspace(4), 0)
+        bt = np.array([0, 0, 1, 1, 1], dtype=i64)
+        if part in (None, 0):
+            t, k = np.array([0, 1], dtype=i64), np.array([3, 4], dtype=i64)
+            ix.insert(t, k, np.array([0, 5], dtype=i64))
+            ix.find(t, k)
+            ix.move_slots(np.array([0], dtype=i64), np.array([1], dtype=i64))
+            ix.items()
+            ix.remove_slots(np.array([1, 5], dtype=i64))
+            ixk.rehash(ix.meta, ix.tab, ix.rev) if not ix.direct else None
+            P.decide(ix.arrays, dev.state, dev.policy.state, host.state, host.policy.state, bt,
+                     np.array([1, 2, 1, 2, 3], dtype=i64), ws, res)
+            dev.pin(np.array([0], dtype=i64), 1)
+            pol = dev.policy
+            pk.access(pol.state, np.array([0], dtype=i64), np.array([9], dtype=i64), np.array([1], dtype=i64), False)
+            pk.carry_in(pol.state, np.array([0], dtype=i64), np.array([9], dtype=i64), np.zeros(1),
+                        np.ones(1, dtype=i64))
+            pk.lookahead_keys(pol.state, np.array([0], dtype=i64))
+            out = np.empty(2, dtype=i64)
+            vk.victims(pol.state, dev.state[0], dev.state[3], dev.state[6], 1, 3, 4, out)
+            vk.scan(pol.state, dev.state[0], dev.state[3], dev.state[6], 1, out)
+            vk.check(pol.state, dev.state[0])
+        if part in (None, 1):
+            for step in range(3):  # decide (or nothing: res all zero) then commit
+                bk = np.array([1, 2, 1, 2, 3 + step], dtype=i64)
+                if part is None:
+                    P.decide(ix.arrays, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
+                P.commit(ix.arrays, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk,
+                         np.arange(5, dtype=i64), np.ones(5, dtype=i64), True, ws, res, counters)
+            P.abort(dev.policy.state, host.policy.state)
+    if part in (None, 1):
+        tix = KeyIndex(3, [5], direct=True)
+        d2 = SlotTier(Tier.DEVICE, 2, 0, "cpu", PolicySpec("lru"), base=0)
+        h2 = SlotTier(Tier.HOST, 1, 0, "cpu", PolicySpec("lru"), base=2)
+        replay(tix.arrays, d2.state, d2.policy.state, h2.state, h2.policy.state,
+               np.array([0, 1, 2, 3, 1], dtype=i64), np.array([0, 1, 3, 5], dtype=i64), np.zeros(5, dtype=i64),
+               np.zeros(1, dtype=i64), np.zeros(5, dtype=np.uint8), True, np.zeros((1, 3, 5), dtype=i64),
+               np.zeros(16, dtype=i64), 8, *P.workspace(4), 0)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _start_child() -> subprocess.Popen | None:
+    """A child process compiling part 1 (None on one core, or if it cannot start)."""
+    if _cores() < 2:
+        return None
+    root = str(Path(__file__).resolve().parents[2])  # this hiermem, not another on the path
+    env = dict(os.environ, **{_CHILD: "1"})
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        return subprocess.Popen([sys.executable, "-c", "from hiermem.core import warm; warm._exercise(1)"],
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
 
 
 def ensure_compiled(force: bool = False) -> float:
     """Compile the kernels unless the cache holds them; returns the seconds it took."""
-    if jit.DISABLED or (jit.is_warm() and not force):
+    if jit.DISABLED or os.environ.get(_CHILD) or (jit.is_warm() and not force):
         return 0.0
     print("hiermem: compiling the control plane's kernels once (cached for later runs) ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    _exercise()
+    child = _start_child()
+    _exercise(0)
+    if child is not None:
+        try:
+            child.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    _exercise(1)  # loads what the child cached; compiles whatever it did not
     jit.mark_warm()
     return time.perf_counter() - t0

@@ -176,8 +176,10 @@ def _add_demo(sub) -> None:
                    help="bounded tables' size / device tier (default 10)")
     d.add_argument("--depth", type=non_negative, default=None, help="prefetch depth, 0: none (default 2)")
     d.add_argument("--policy", default=None, help="lru, lfu or a policies/*.toml file (default lru)")
-    d.add_argument("--lr", type=float, default=None, help="row-wise Adagrad rate of the embeddings (default: 0.003 on the real data, else 0.05)")
-    d.add_argument("--dense-lr", type=float, default=None, help="Adam rate of the MLPs (default: 0.001 on the real data, else 0.003)")
+    d.add_argument("--lr", type=float, default=None,
+                   help="row-wise Adagrad rate of the embeddings (default: 0.003 on the real data, else 0.05)")
+    d.add_argument("--dense-lr", type=float, default=None,
+                   help="Adam rate of the MLPs (default: 0.001 on the real data, else 0.003)")
     d.add_argument("--seed", type=int, default=None, help="seed of the model, hashing and data order (default 0)")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--synthetic", action="store_true", help="synthetic Criteo-like data")

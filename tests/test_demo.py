@@ -50,6 +50,7 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(tmp_path, capsys):
     assert not Path(first).exists() and (run / "ckpt" / "step-0000002").is_dir()
 
 
+@pytest.mark.slow
 def test_resume_restores_the_runs_settings_and_refuses_a_conflicting_flag(tmp_path, capsys):
     run = tmp_path / "r"
     assert main(_demo(run, "--steps", "4", "--dim", "8")) == 0
@@ -74,6 +75,7 @@ def test_resume_restores_the_runs_settings_and_refuses_a_conflicting_flag(tmp_pa
     assert "nothing left to train" in out and "--steps N above 6" in out and "hit rates" not in out
 
 
+@pytest.mark.slow
 def test_checkpoints_are_pruned_to_the_last_n(tmp_path, capsys):
     run = tmp_path / "p"
     assert main(_demo(run, "--steps", "7", "--checkpoint-every", "2")) == 0
@@ -139,6 +141,7 @@ def _wait_for(proc, text: str, timeout: float = 240):
     raise AssertionError(f"never saw {text!r}: {''.join(seen)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_checkpoints_and_exits_with_one_line(tmp_path, sig, code):
     run = tmp_path / "sig"
@@ -186,6 +189,7 @@ def test_ctrl_c_anywhere_in_the_cli_is_one_line_and_130(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "hiermem: interrupted"
 
 
+@pytest.mark.slow
 def test_stats_after_a_demo_shows_lifetime_counters(tmp_path, capsys):
     run = tmp_path / "st"
     assert main(_demo(run, "--steps", "3")) == 0
@@ -248,6 +252,7 @@ def test_demo_png_beside_the_checkpoint(tmp_path, capsys):
     assert s["png"] == str(run / "demo.png") and (run / "demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(real_data_dir() is None, reason="the shared Criteo data is absent")
 def test_real_data_trains_by_epochs_with_held_out_metrics_and_all_tiers(tmp_path, capsys):
     run = tmp_path / "real"

@@ -35,13 +35,13 @@ def test_readme_is_a_short_guide_whose_links_resolve():
     for head in ("## What it is, and for whom", "## Quickstart", "## Migrating an existing model",
                  "## The CLI at a glance", "## Documentation"):
         assert head in text
-    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    links = re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", text)
     assert {"docs/guide.md", "docs/design.md", "docs/performance.md", "docs/reliability.md",
             "docs/operations.md"} <= set(links)
     for link in links:
         assert (ROOT / link).is_file(), link
     for doc in (ROOT / "docs").glob("*.md"):  # docs link back, and their relative links resolve
-        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+        for link in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", doc.read_text()):
             assert (doc.parent / link).resolve().exists(), (doc.name, link)
 
 
@@ -109,7 +109,7 @@ def test_demo_reads_criteo_tsv_and_synthetic(capsys, tmp_path):
         assert main(["demo", "--steps", "6", "--batch", "32", "--device-rows", "1024", "--host-rows", "4096",
                      "--path", str(tmp_path / src[0]), "--no-progress", *src]) == 0
         s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert s["data"] == ("criteo" if src[0] == "--criteo" else "synthetic") and s["steps"] == 6
+        assert s["data"] == (f"criteo:{tsv}" if src[0] == "--criteo" else "synthetic") and s["steps"] == 6
     bad = tmp_path / "bad.tsv"
     bad.write_text("1\t2\t3\n")
     assert main(["demo", "--steps", "2", "--criteo", str(bad), "--path", str(tmp_path / "b"), "--no-progress"]) == 2

@@ -91,6 +91,7 @@ def _serve_cmd(a: argparse.Namespace) -> int:
     import time
 
     with _open_idle(a.path) as s:
+        s.count_from_creation()  # serve the lifetime counters saved with the store, not zeros
         server = _serve(a.port, a.addr)
         print(f"hiermem: serving {s.path} (counters cumulative since it was created); Ctrl-C stops",
               file=sys.stderr, flush=True)

@@ -264,6 +264,15 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             pass  # none saved (a store from before counters were saved) or unreadable: from zero
         return table, io
 
+    def count_from_creation(self) -> None:
+        """Make this session's counters (``stats()``, Prometheus) start from the lifetime
+        totals saved by earlier sessions, not from zero: for serving a store at rest."""
+        with self._lock:
+            self.counters.table += self._base_table
+            self.counters.io += self._base_io
+            self._base_table.zero_()
+            self._base_io.zero_()
+
     def cumulative_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table x tier x Stat, IO)`` counters over the store's whole life: those saved by
         earlier sessions (with every flush, checkpoint and write-back) plus this session's."""

@@ -80,3 +80,22 @@ def test_help_shows_defaults(capsys):
         with pytest.raises(SystemExit):
             main(cmd)
         assert "default" in capsys.readouterr().out
+
+
+def test_serve_shows_the_counters_saved_with_the_store(tmp_path):
+    import torch
+
+    cfg = hm.StoreConfig(path=tmp_path / "s", device="cpu", device_rows=8, host_rows=8)
+    with hm.HierarchicalStore([hm.TableSpec("t", 100, 4)], cfg) as store:
+        store.lookup("t", torch.arange(10))
+        store.lookup("t", torch.arange(10, 20))
+        store.lookup("t", torch.arange(20, 30))
+    with hm.HierarchicalStore.open(tmp_path / "s") as store:
+        assert store.stats()["t"]["device"]["lookups"] == 0  # this session's
+        assert store.stats(cumulative=True)["t"]["device"]["lookups"] == 30
+        store.count_from_creation()  # what `hiermem serve` does before serving /metrics
+        assert store.stats()["t"]["device"]["lookups"] == 30
+        store.lookup("t", torch.arange(5))
+        assert store.stats(cumulative=True)["t"]["device"]["lookups"] == 35
+    with hm.HierarchicalStore.open(tmp_path / "s") as store:  # and nothing is counted twice
+        assert store.stats(cumulative=True)["t"]["device"]["lookups"] == 35

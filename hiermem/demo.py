@@ -554,7 +554,7 @@ def _plot(run: Path, losses, tiers, evals, spe) -> str | None:
     a.legend()
     if tiers:
         t = np.asarray(tiers, dtype=np.float64).reshape(-1, 3, 2)
-        k = max(6, len(t) // 25)  # prefetched batches are counted when prefetched: smooth over several steps
+        k = min(len(t), max(6, len(t) // 25))  # prefetched batches are counted when prefetched: smooth
         xs = np.arange(len(losses) - len(t), len(losses)) + 1
         for i, (name, col) in enumerate(zip(("device", "host", "disk"), ("tab:green", "tab:orange", "tab:purple"))):
             look = np.convolve(t[:, i, 0], np.ones(k), "same")

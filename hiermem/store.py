@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+from types import SimpleNamespace
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -170,7 +171,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                                   write_behind=config.write_behind, io_process=config.io_process,
                                   writemap=config.writemap)
             try:
-                self._steps = self._check_layout(self._disk.read_meta())
+                meta = self._disk.read_meta()
+                meta_counters = (meta or {}).get("counters")
+                self._steps = self._check_layout(meta)
             except BaseException:
                 self._disk.close()
                 raise
@@ -184,6 +187,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
         self.counters = Counters(len(tables))
+        self._base_table, self._base_io = self._saved_counters(meta_counters)
         self._clock = 0
         self._epoch = 0  # bumped whenever any row changes tier
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
@@ -239,9 +243,40 @@ class HierarchicalStore(BatchedOps, Checkpointing):
     def _meta(self) -> dict:
         c = self.config
         policy = self.policy.source or self.policy.name
-        return {**self._layout(), "device": str(self.device), "device_rows": c.device_rows,
+        meta = {**self._layout(), "device": str(self.device), "device_rows": c.device_rows,
                 "host_rows": c.host_rows, "policy": policy,
                 "steps": {s.name: self._steps[i] for i, s in enumerate(self.tables)}}
+        if hasattr(self, "counters"):  # cumulative counters ride along with every metadata write
+            table, io = self.cumulative_counters()
+            meta["counters"] = {"table": table.tolist(), "io": {k.name.lower(): int(io[k]) for k in IO}}
+        return meta
+
+    def _saved_counters(self, saved: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cumulative counters of earlier sessions (saved with the metadata), or zeros."""
+        table, io = torch.zeros_like(self.counters.table), torch.zeros_like(self.counters.io)
+        try:
+            t = torch.tensor(saved["table"], dtype=torch.int64)
+            if t.shape == table.shape:
+                table = t
+            for k in IO:
+                io[k] = int(saved["io"].get(k.name.lower(), 0))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            pass  # none saved (a store from before counters were saved) or unreadable: from zero
+        return table, io
+
+    def count_from_creation(self) -> None:
+        """Make this session's counters (``stats()``, Prometheus) start from the lifetime
+        totals saved by earlier sessions, not from zero: for serving a store at rest."""
+        with self._lock:
+            self.counters.table += self._base_table
+            self.counters.io += self._base_io
+            self._base_table.zero_()
+            self._base_io.zero_()
+
+    def cumulative_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table x tier x Stat, IO)`` counters over the store's whole life: those saved by
+        earlier sessions (with every flush, checkpoint and write-back) plus this session's."""
+        return self._base_table + self.counters.table, self._base_io + self.counters.io
 
     def _check_layout(self, meta: dict | None) -> list[int]:
         if meta is None:
@@ -710,10 +745,18 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             out[on_dev] = int(Tier.DEVICE)
             return out
 
-    def stats(self) -> dict:
-        """Counters per table and tier, plus store-wide I/O; see :mod:`hiermem.stats`."""
+    def stats(self, cumulative: bool = False) -> dict:
+        """Counters per table and tier, plus store-wide I/O; see :mod:`hiermem.stats`.
+
+        Args:
+            cumulative: count over the store's whole life (earlier sessions' counters are
+                saved with its metadata at every flush and checkpoint), not this session's.
+        """
         with self._lock:
             c = self.counters
+            if cumulative:
+                table, io = self.cumulative_counters()
+                c = SimpleNamespace(table=table, io=io)
             occ = {}
             for tier in (self._dev, self._host):
                 kt = tier.keys_t[tier.keys_t >= 0].cpu()

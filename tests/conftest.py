@@ -11,7 +11,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 
+#: Long tests, left out by `pytest -m "not slow"` (the full suite and CI still run them):
+#: file -> test names (None: the whole file).  Tests may also carry @pytest.mark.slow.
+SLOW = {
+    "test_torture.py": {"test_kills_lose_and_tear_nothing"},  # kills a trainer, once per mode
+    "test_concurrency.py": None,  # soaks: threads scraping, flushing, checkpointing
+    "test_fuzz.py": None,  # hypothesis state machines and trace corruptions
+    "test_sharding_exec.py": None,  # gloo process groups of 2 and 4
+    "test_sharding_bench.py": None,  # runs the sharding benchmark scripts
+    "test_core_parity.py": None,  # every kernel again with NUMBA_DISABLE_JIT=1
+    "test_tune.py": {"test_readme_tuning_commands_run"},  # imports the shared traces and tunes
+    "test_sim.py": {"test_movielens_lru_sim_equals_cachetools_and_libcachesim"},
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        names = SLOW.get(item.path.name, ())
+        if names is None or item.originalname in names:
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -80,7 +80,7 @@ def test_tune_without_matplotlib_is_a_clear_error(zipf_trace, tmp_path, monkeypa
 
 
 def test_readme_tuning_commands_run(tmp_path):
-    """The README's offline-tuning shell block, as written (``hiermem`` = this checkout's CLI)."""
+    """The user guide's offline-tuning shell block, as written (``hiermem`` = this checkout's CLI)."""
     import re
     import shlex
     from pathlib import Path
@@ -89,7 +89,7 @@ def test_readme_tuning_commands_run(tmp_path):
 
     if shared_data_dir() is None:
         pytest.skip("shared data absent")
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "guide.md").read_text()
     block = re.search(r"## Offline policy tuning.*?```bash\n(.*?)```", readme, re.S).group(1)
     monkey = pytest.MonkeyPatch()
     monkey.chdir(tmp_path)
@@ -100,5 +100,5 @@ def test_readme_tuning_commands_run(tmp_path):
             assert cli_main(argv[1:]) == 0, line
     finally:
         monkey.undo()
-    assert hm.resolve_policy(tmp_path / "policies" / "tuned.toml").name in hm.POLICIES
-    assert (tmp_path / "policies" / "tuned.png").is_file()
+    assert hm.resolve_policy(tmp_path / "runs" / "policies" / "tuned.toml").name in hm.POLICIES
+    assert (tmp_path / "runs" / "policies" / "tuned.png").is_file()

@@ -140,10 +140,17 @@ class TuneResult:
         return self.ranked[0].candidate
 
     def table(self, top: int = 15) -> str:
-        lines = [f"{'rank':>4}  {'candidate':<58} {'dev hit%':>8} {'misses':>9} {'step ms':>8}"]
+        """The ranking; the step-time column only where the estimates tell candidates apart."""
+        ms = [1e3 * s.step_seconds for s in self.ranked[:top]]
+        apart = bool(ms) and max(ms) - min(ms) > 1e-3 * max(max(ms), 1e-9)
+        head = f"{'rank':>4}  {'candidate':<58} {'dev hit%':>8} {'misses':>9}"
+        lines = [head + (f" {'step ms':>8}" if apart else "")]
         for i, s in enumerate(self.ranked[:top]):
-            lines.append(f"{i + 1:>4}  {s.candidate.label:<58} {100 * s.hit_rate:>8.2f} {s.device_misses:>9} "
-                         f"{1e3 * s.step_seconds:>8.3f}")
+            lines.append(f"{i + 1:>4}  {s.candidate.label:<58} {100 * s.hit_rate:>8.2f} {s.device_misses:>9}"
+                         + (f" {ms[i]:>8.3f}" if apart else ""))
+        if not apart and ms:
+            lines.append(f"(estimated step times are equal ({ms[0]:.3f} ms): the cost model cannot tell these "
+                         "candidates apart, so they are ranked by device misses)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -158,7 +165,7 @@ def _progress(i: int, n: int, label: str, enabled: bool) -> None:
         return
     w = 30
     done = w * i // max(1, n)
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (w - done)}] {i}/{n} {label[:50]:<50}")
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (w - done)}] {i}/{n} {label[:80]:<80}")
     if i == n:
         sys.stderr.write("\n")
     sys.stderr.flush()
@@ -221,13 +228,29 @@ def _need_matplotlib():
     return plt
 
 
-def plot_curves(curves: dict, path: Path, title: str) -> Path:
-    """Miss ratio vs device rows (log x) for every curve, to a PNG."""
+#: One colour per policy family, the same in every plot.
+POLICY_COLOURS = {"lru": "tab:blue", "lfu": "tab:orange", "lfu_decay": "tab:green", "lookahead": "tab:red",
+                  "belady": "black", "lru-mrc": "tab:gray"}
+
+
+def plot_curves(curves: dict, path: Path, title: str, chosen: tuple[int, str] | None = None) -> Path:
+    """Miss ratio vs device rows (log x) for every curve, to a PNG; ``chosen`` = (device
+    rows, curve family) marks the winner's size on its family's curve."""
     plt = _need_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for name, (caps, ratios) in curves.items():
         style = "--" if "per access" in name else "-o"
-        ax.plot(caps, ratios, style, label=name, markersize=3)
+        fam = name.split(" ", 1)[0]
+        ax.plot(caps, ratios, style, label=name, markersize=3, color=POLICY_COLOURS.get(fam))
+    if chosen is not None:
+        rows, fam = chosen
+        for name, (caps, ratios) in curves.items():
+            if name.split(" ", 1)[0] == fam:
+                y = float(np.interp(np.log(rows), np.log(caps), ratios))
+                ax.plot([rows], [y], "*", markersize=14, color=POLICY_COLOURS.get(fam, "black"),
+                        markeredgecolor="black", label=f"chosen: {fam}, {rows} device rows", zorder=5)
+                break
+        ax.axvline(rows, color="black", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_xlabel("device rows")
     ax.set_ylabel("device miss ratio")
@@ -297,5 +320,7 @@ def tune(trace: Trace | str | os.PathLike, cfg: TuneConfig, out_dir: str | os.Pa
         out.mkdir(parents=True, exist_ok=True)
         result.policy_file = write_policy_file(out / f"{name}.toml", ranked[0], trace)
         png = Path(plot) if plot is not None else out / f"{name}.png"
-        result.plot_file = plot_curves(result.curves, png, f"{trace.path.name}: device miss ratio")
+        w = ranked[0].candidate
+        result.plot_file = plot_curves(result.curves, png, f"{trace.path.name}: device miss ratio",
+                                       chosen=(w.device_rows, w.policy))
     return result

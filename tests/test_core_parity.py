@@ -31,3 +31,21 @@ def test_compiled_equals_interpreted(policy, seed):
     assert compiled == interpreted
     assert any(s == 0 for s in compiled["statuses"])
     assert sum(sum(sum(t) for t in tier) for tier in compiled["counters"]) > 0
+
+
+def test_warm_child_compiles_this_checkout(tmp_path):
+    """The first import compiles half the kernels in a child process: the child must
+    import this checkout's hiermem (not another one on the path) without warming up
+    again itself, and exit cleanly (here it loads the cached kernels)."""
+    import hiermem
+    from hiermem.core import warm
+
+    code = "import hiermem, sys; print(hiermem.__file__); sys.exit(int(hiermem.core.warm.ensure_compiled(True) != 0))"
+    out = subprocess.run([sys.executable, "-c", code], env=warm._child_env(), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr  # ensure_compiled is a no-op in the child, even forced
+    assert Path(out.stdout.strip()) == Path(hiermem.__file__)
+    child = warm._start_child()
+    if child is None:
+        pytest.skip("one core: the kernels compile in this process only")
+    assert child.wait(timeout=600) == 0

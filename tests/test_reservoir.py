@@ -149,3 +149,17 @@ def test_a_store_on_the_reservoir_equals_one_that_scans(tmp_path, policy):
     finally:
         for s in stores:
             s.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_is_the_kth_smallest(seed):
+    """The reservoir's threshold (the r-th smallest key) is a quickselect written out in
+    place of ``np.partition``: it must agree with numpy on any keys, ties included."""
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 3, 7, 100, 5000):
+        hi = [2, n, 1 << 40][seed % 3]  # heavy ties, some, none
+        a = rng.integers(-hi, hi, n).astype(np.int64)
+        for k in {0, n // 2, n - 1, int(rng.integers(0, n))}:
+            b = a.copy()
+            assert vk._select(b, n, k) == np.partition(a, k)[k]
+            assert sorted(b.tolist()) == sorted(a.tolist()), "select lost or duplicated a key"

@@ -91,16 +91,22 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def _child_env() -> dict:
+    """The child's environment: this checkout's hiermem first on the path (not another
+    install), and the flag that keeps its own import from warming up again."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, **{_CHILD: "1"})
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 def _start_child() -> subprocess.Popen | None:
     """A child process compiling part 1 (None on one core, or if it cannot start)."""
     if _cores() < 2:
         return None
-    root = str(Path(__file__).resolve().parents[2])  # this hiermem, not another on the path
-    env = dict(os.environ, **{_CHILD: "1"})
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         return subprocess.Popen([sys.executable, "-c", "from hiermem.core import warm; warm._exercise(1)"],
-                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     except OSError:
         return None

@@ -122,6 +122,13 @@ class Workload:
     batch_size: int
     skew: float = 3.0
     seed: int = 0
+    #: each table's skew from its ``zipf_alpha`` (``1 / (1 - alpha)``, alpha < 1) instead of ``skew``
+    per_table_skew: bool = False
+
+    def table_skew(self, t: PlannerTable) -> float:
+        if self.per_table_skew and t.zipf_alpha < 1:
+            return 1.0 / (1.0 - t.zipf_alpha)
+        return self.skew
 
     def specs(self) -> tuple[TableSpec, ...]:
         return tuple(TableSpec(t.name, t.num_rows, t.dim) for t in self.tables)
@@ -133,7 +140,7 @@ class Workload:
             L = max(1, int(round(t.pooling_factor)))
             ln = torch.full((self.batch_size,), L, dtype=torch.int64)
             u = torch.rand(self.batch_size * L, generator=g)
-            v = (t.num_rows * u ** self.skew).long()  # low ids hot
+            v = (t.num_rows * u ** self.table_skew(t)).long()  # low ids hot
             vals.append(v.clamp_(max=t.num_rows - 1))
             lens.append(ln)
         return SparseFeatures(tuple(t.name for t in self.tables), torch.cat(vals), torch.cat(lens))
@@ -209,3 +216,54 @@ def bench_worker(rank: int, world: int, out: str, names: Sequence[str], steps: i
                    "shardings": {t.name: t.sharding.value for t in p.tables}}
                for (n, p), s in zip(plans.items(), secs)}
         Path(out, "result.json").write_text(json.dumps({"topology": topo.__dict__, "plans": res}))
+
+
+def compare_worker(rank: int, world: int, out: str, work: Workload, budgets: tuple[float, float, float],
+                   external: dict, steps: int, rounds: int, within: float = 2.0) -> None:
+    """Calibrate, plan ``work`` under per-rank ``budgets`` (device, host, SSD bytes) with
+    hiermem's planner and every
+    feasible uniform sharding, add ``external`` plans (``{name: ShardingPlan JSON}``,
+    e.g. TorchRec's translated plan), and time them interleaved; rank 0 writes
+    ``out/result.json`` with per-round step times.
+
+    Uniform plans whose estimate is over ``within`` times the best uniform estimate are
+    reported (estimate only) but not timed.
+    """
+    import json
+    from dataclasses import replace
+
+    from ..optim import RowWiseAdagrad
+    from .planner import estimate, naive_plan, plan, step_ms
+    from .types import PlannerError, ShardingType
+
+    opt = RowWiseAdagrad(lr=0.01)
+    cal = calibrate(world, world, opt, out)
+    topo = replace(cal, device_bytes=float(budgets[0]), host_bytes=float(budgets[1]), ssd_bytes=float(budgets[2]))
+    tabs, B = work.tables, work.batch_size
+    plans = {"planner": plan(tabs, topo, B, opt)}
+    uniform, infeasible = {}, {}
+    for st in ShardingType:
+        if st is ShardingType.TABLE_ROW_WISE and topo.ranks_per_host == world:
+            continue  # one host: TWRW is RW
+        try:
+            uniform[f"all-{st.value}"] = naive_plan(tabs, topo, B, st, opt)
+        except PlannerError as e:
+            infeasible[f"all-{st.value}"] = str(e)
+    best = min(p.estimated_ms for p in uniform.values())
+    untimed = {n: p for n, p in uniform.items() if p.estimated_ms > within * best}
+    plans.update({n: p for n, p in uniform.items() if n not in untimed})
+    from .types import ShardingPlan
+
+    plans.update({n: ShardingPlan.from_json(js) for n, js in external.items()})
+    secs = time_plans(list(plans.values()), work, opt, steps, rounds, Path(out) / "stores", reduce=list)
+    if rank == 0:
+        def info(p):
+            return {"estimated_ms": step_ms(estimate(p, tabs, topo, B, opt), topo),
+                    "shardings": {t.name: t.sharding.value for t in p.tables},
+                    "tiers": {t.name: sorted({s.tier.value for s in t.shards}) for t in p.tables},
+                    "ranks": {t.name: [s.rank for s in t.shards] for t in p.tables},
+                    "rank_bytes": p.rank_bytes()}
+        res = {n: {"rounds_ms": [x * 1e3 for x in t], **info(p)} for (n, p), t in zip(plans.items(), secs)}
+        res.update({n: {"rounds_ms": None, **info(p)} for n, p in untimed.items()})
+        Path(out, "result.json").write_text(json.dumps({"topology": topo.__dict__, "plans": res,
+                                                        "infeasible": infeasible}))

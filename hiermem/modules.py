@@ -142,6 +142,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         result takes a ``KeyedJaggedTensor`` and, with ``output="keyed"``, returns a
         ``KeyedTensor``; ``embedding_bag_configs()`` and ``is_weighted()`` answer as the
         EBC's do, so TorchRec models (e.g. ``torchrec.models.dlrm.DLRM``) accept it.
+        Tables of an EBC on the ``meta`` device start from hiermem's initialiser.
 
         Raises:
             InvalidTypeError: ``ebc`` is not a TorchRec ``EmbeddingBagCollection``.

@@ -128,8 +128,10 @@ def layout_of(ebc) -> TorchRecLayout:
 
 
 def ebc_weights(ebc) -> dict[str, torch.Tensor]:
-    """``{table: weight [rows, dim]}`` of a TorchRec ``EmbeddingBagCollection`` (detached, CPU)."""
-    return {name: bag.weight.detach().to("cpu", torch.float32) for name, bag in ebc.embedding_bags.items()}
+    """``{table: weight [rows, dim]}`` of a TorchRec ``EmbeddingBagCollection`` (detached,
+    CPU); tables on the ``meta`` device have no weights and are left out."""
+    return {name: bag.weight.detach().to("cpu", torch.float32) for name, bag in ebc.embedding_bags.items()
+            if bag.weight.device.type != "meta"}
 
 
 def keyed_tensor(keys: Sequence[str], dims: Sequence[int], values: torch.Tensor):
@@ -195,7 +197,8 @@ def select_features(f, keys: Sequence[str]):
     starts = [0]
     for n in kl:
         starts.append(starts[-1] + n)
-    idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep]) if keep else torch.zeros(0, dtype=torch.int64)
+    idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep]) if keep else \
+        torch.zeros(0, dtype=torch.int64)
     lengths = f.lengths.view(len(f.keys), B)[keep].reshape(-1)
     w = None if f.weights is None else f.weights.index_select(0, idx.to(f.weights.device))
     return SparseFeatures(tuple(f.keys[i] for i in keep), f.values.index_select(0, idx.to(f.values.device)),

@@ -78,15 +78,17 @@ def train(rank: int, world: int, a: argparse.Namespace) -> None:
     rph = min(a.ranks_per_host, world)
     p = ShardingPlan.from_json(Path(a.plan).read_text()) if a.plan else \
         plan(work.tables, Topology(world, rph, device_bytes=a.device_mb * 1e6), work.batch_size, opt)
-    emb = hm.ShardedEmbeddingBagCollection(work.specs(), p, hm.StoreConfig(Path(a.path), optimizer=opt, seed=1))
-    model = _model(emb)
+    dev = torch.device("cuda", torch.cuda.current_device()) if a.backend == "nccl" else torch.device("cpu")
+    emb = hm.ShardedEmbeddingBagCollection(work.specs(), p, hm.StoreConfig(Path(a.path), device=str(dev),
+                                                                           optimizer=opt, seed=1))
+    model = _model(emb).to(dev)
     dense = model.dense_parameters()
     sgd = torch.optim.SGD(dense, lr=0.1)
     if rank == 0:
         print(format_plan(p), flush=True)
     losses = []
     for step in range(a.steps):
-        x, y = _dense(step, rank, a.batch)
+        x, y = (t.to(dev) for t in _dense(step, rank, a.batch))
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x, work.batch(step, rank)), y,
                                                                     reduction="sum") / (a.batch * world)
         sgd.zero_grad()
@@ -172,6 +174,8 @@ def main() -> None:
         return
     if "RANK" not in os.environ:
         ap.error("run under torchrun, or pass --local N or --reference N")
+    if a.backend == "nccl":  # one GPU per local rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(a.backend)  # MASTER_ADDR/PORT, RANK, WORLD_SIZE come from torchrun
     try:
         train(dist.get_rank(), dist.get_world_size(), a)

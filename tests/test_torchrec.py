@@ -179,6 +179,19 @@ def test_from_torchrec_refuses_what_it_cannot_honour(tmp_path):
     m.store.close()
 
 
+def test_from_torchrec_meta_ebc_starts_from_hiermems_initialiser(tmp_path):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(num_embeddings=1000, embedding_dim=4, name="a",
+                                                            feature_names=["f"])], device=torch.device("meta"))
+    m = hm.CachedEmbeddingBagCollection.from_torchrec(ebc, hm.StoreConfig(tmp_path / "s", seed=5))
+    ref = hm.HierarchicalStore([hm.TableSpec("a", 1000, 4)], hm.StoreConfig(tmp_path / "r", seed=5))
+    ids = torch.tensor([0, 7, 999])
+    torch.testing.assert_close(m.table_rows("a")[ids], ref.lookup("a", ids))
+    m.store.close()
+    ref.close()
+
+
 def test_to_torchrec_from_hiermem_tables(tmp_path):
     tables = [hm.TableSpec("a", 50, 4), hm.TableSpec("b", 20, 6)]
     m = hm.CachedEmbeddingBagCollection(tables, hm.StoreConfig(tmp_path / "s", device_rows=16, host_rows=8))
@@ -194,3 +207,42 @@ def test_to_torchrec_from_hiermem_tables(tmp_path):
         unb.to_torchrec()
     m.store.close()
     unb.store.close()
+
+
+def test_torchrec_planner_plan_translates_and_fits():
+    """TorchRec's planner on hiermem tables (CPU topology): its plan becomes a hiermem
+    ShardingPlan with the same sharding types, ranks and column splits; a table over one
+    rank's memory gets split; the JSON round-trips."""
+    import logging
+
+    from hiermem.sharding import PlannerTable, ShardingPlan, ShardingType, TierPlacement, Topology
+    from hiermem.sharding.torchrec_plan import torchrec_plan, translate
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    tables = [PlannerTable("big", 200_000, 64, 4.0), PlannerTable("hot", 5_000, 32, 20.0),
+              *(PlannerTable(f"t{i}", 300, 8, 1.0) for i in range(4))]
+    # 200k x (64 + 1) x 4 B = 52 MB > one rank's 40 MB: TorchRec must split "big"
+    topo = Topology(2, 2, device_bytes=10e6, host_bytes=30e6)
+    tr, p = torchrec_plan(tables, topo, 128, hm.RowWiseAdagrad(lr=0.1))
+    assert ShardingPlan.from_json(p.to_json()) == p and p.meta["source"] == "torchrec"
+    params = tr.plan[""]
+    for t in p.tables:
+        ps = params[t.name]
+        want = {"table_wise": ShardingType.TABLE_WISE, "column_wise": ShardingType.COLUMN_WISE,
+                "table_column_wise": ShardingType.COLUMN_WISE, "data_parallel": ShardingType.DATA_PARALLEL}
+        assert t.sharding is want[ps.sharding_type]
+        assert all(s.tier is TierPlacement.DEVICE for s in t.shards)
+        if t.sharding is ShardingType.COLUMN_WISE:
+            assert sum(s.col_width for s in t.shards) == t.dim
+            assert sorted(s.rank for s in t.shards) == sorted(int(x.placement.rank())
+                                                               for x in ps.sharding_spec.shards)
+    assert p.table("big").sharding is not ShardingType.TABLE_WISE
+    # TorchRec kept every rank within its memory (device + host budget, all in DDR)
+    assert all(b["device"] <= topo.device_bytes + topo.host_bytes for b in p.rank_bytes())
+    # a kernel hiermem has no equivalent for is refused
+    import copy
+
+    bad = copy.deepcopy(tr)
+    bad.plan[""]["hot"].compute_kernel = "quant"
+    with pytest.raises(hm.InvalidArgumentError, match="no hiermem equivalent"):
+        translate(bad, tables, topo, 128)

@@ -171,7 +171,8 @@ def _table(t: PlannerTable, st: ShardingType, tier: TierPlacement, ps, topology:
             c = _cache_rows(ps, rows) or max(1, rows // 5)
             ch = TierChoice(tier, min(c, rows), max(1, rows - c))
         b = storage(shape, ch, opt)
-        shards_out.append(ShardPlan(r, k if rowwise else 0, parts, c0 if not rowwise else 0, w if not rowwise else t.dim,
+        c0, w = (0, t.dim) if rowwise else (c0, w)
+        shards_out.append(ShardPlan(r, k if rowwise else 0, parts, c0, w,
                                     tier, int(ch.device_rows), int(ch.host_rows), 0.0, b.device, b.host, b.ssd))
     return TablePlan(t.name, st, tuple(shards_out), t.dim)
 

@@ -13,7 +13,8 @@ dominates).  One run:
 2. two local ranks calibrate the cost model on this machine, plan with hiermem's
    planner under the budgets, make every feasible uniform plan (all-TW, all-RW, all-CW,
    all-DP), and train every plan with ``ShardedEmbeddingBagCollection``, interleaved
-   over R rounds of N steps (the slowest rank's step time per round).
+   over R rounds of N steps (the slowest rank's step time per round).  ``--quick``
+   skips uniform plans estimated at over twice the best uniform plan.
 
 Ratios are per round (plans of one round run back to back), then median and spread
 (min..max) over rounds.  The last line is JSON with ``planner_over_torchrec`` (target
@@ -78,8 +79,9 @@ def main() -> None:
     tr_json, tr_s = _torchrec_plan_json(hm.RowWiseAdagrad(lr=0.01))
     print(f"TorchRec's EmbeddingShardingPlanner: {tr_s:.1f} s (import and plan)", flush=True)
     with tempfile.TemporaryDirectory(prefix="hiermem-bench-shard-") as d:
+        # --quick skips uniform plans estimated over 2x the best uniform one; a full run times all
         launch_local(2, compare_worker, d, WORKLOAD, (DEVICE_BYTES, HOST_BYTES, SSD_BYTES), {"torchrec": tr_json},
-                     steps, rounds)
+                     steps, rounds, 2.0 if a.quick else float("inf"))
         r = json.loads(Path(d, "result.json").read_text())
     t = r["topology"]
     print(f"calibrated: store {t['device_bw'] / 1e9:.2f} GB/s, call overhead {t['call_overhead_s'] * 1e6:.0f} us, "

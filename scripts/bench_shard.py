@@ -100,6 +100,12 @@ def main() -> None:
         tiny = sorted({f"{s}@{v['ranks'][k]}" for k, s in v["shardings"].items() if k.startswith("tiny")})
         mem = " ".join(f"r{i}:{b['device'] / MB:.0f}/{b['host'] / MB:.0f}MB" for i, b in enumerate(v["rank_bytes"]))
         print(f"{n:<9} measured {med} ms  estimated {v['estimated_ms']:8.2f} ms  {big} tiny:{tiny}  dev/host {mem}")
+        if v["rounds_ms"]:
+            rest = statistics.median(v["rounds_ms"]) - v["store_ms"]
+            e = v["estimated_parts_ms"]
+            print(f"{'':<9} where the time goes: in the store (lookups + fused updates, slowest rank) "
+                  f"{v['store_ms']:.2f} ms, the rest (collectives, split bookkeeping, waiting) {rest:.2f} ms; "
+                  f"model, all ranks: compute {e['compute']:.1f} comm {e['comm']:.1f} prefetch {e['prefetch']:.1f} ms")
     timed = {n: v["rounds_ms"] for n, v in plans.items() if v["rounds_ms"]}
     naive = {n: x for n, x in timed.items() if n.startswith("all-")}
     best_naive = min(naive, key=lambda n: statistics.median(naive[n]))
@@ -110,6 +116,7 @@ def main() -> None:
     kinds = sorted(set(p["shardings"].values()) | {x for ts in p["tiers"].values() for x in ts})
     res = {"world_size": 2, "steps": steps, "rounds": rounds,
            **{f"{n}_ms": round(statistics.median(x), 3) for n, x in timed.items()},
+           **{f"{n}_store_ms": round(plans[n]["store_ms"], 3) for n in timed},
            "planner_over_torchrec": _spread(over_tr), "planner_over_best_naive": _spread(over_naive),
            "median_ratio_over_torchrec": round(statistics.median(mine) / statistics.median(timed["torchrec"]), 4),
            "median_ratio_over_best_naive": round(statistics.median(mine) / statistics.median(naive[best_naive]), 4),

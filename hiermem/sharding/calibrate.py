@@ -147,9 +147,13 @@ class Workload:
 
 
 def time_plans(plans: Sequence[ShardingPlan], work: Workload, optimizer, steps: int, rounds: int,
-               tmp: str | Path | None = None, reduce=statistics.median) -> list[float]:
+               tmp: str | Path | None = None, reduce=statistics.median,
+               store_seconds: list | None = None) -> list[float]:
     """Step seconds (slowest rank; ``reduce`` over rounds, median by default) of each plan,
-    plans interleaved ``rounds`` times."""
+    plans interleaved ``rounds`` times.  ``store_seconds``, if given, receives per plan
+    the per-round seconds per step spent inside the rank's store (lookups and fused
+    updates; the most of any rank), the rest of a step being collectives, the split
+    bookkeeping and waiting for the other ranks."""
     from .module import ShardedEmbeddingBagCollection
 
     tmp = Path(tmp or tempfile.mkdtemp(prefix="hiermem-bench-"))
@@ -161,21 +165,33 @@ def time_plans(plans: Sequence[ShardingPlan], work: Workload, optimizer, steps: 
     times: list[list[float]] = [[] for _ in plans]
     step = 0
 
-    def run(m, k: int) -> float:
+    inside: list[list[float]] = [[] for _ in plans]
+
+    def in_store(m) -> float:
+        c = m.store.counters if m.store is not None else None
+        return c.lookup_seconds.sum + c.update_seconds.sum if c is not None else 0.0
+
+    def run(m, k: int, i: int | None = None) -> float:
         nonlocal step
         dist.barrier()
+        s0 = in_store(m)
         t0 = time.perf_counter()
         for _ in range(k):
             out = m(work.batch(step, rank))
             out.backward(grad)
             step += 1
-        return _max_over_ranks((time.perf_counter() - t0) / k)
+        dt = (time.perf_counter() - t0) / k
+        if i is not None:
+            inside[i].append(_max_over_ranks((in_store(m) - s0) / k))
+        return _max_over_ranks(dt)
 
     for m in mods:  # warm-up: first touch of rows, allocator
         run(m, 2)
     for _ in range(rounds):
         for i, m in enumerate(mods):
-            times[i].append(run(m, steps))
+            times[i].append(run(m, steps, i))
+    if store_seconds is not None:
+        store_seconds.extend(inside)
     for m in mods:
         m.close()
     return [reduce(t) for t in times]
@@ -255,15 +271,36 @@ def compare_worker(rank: int, world: int, out: str, work: Workload, budgets: tup
     from .types import ShardingPlan
 
     plans.update({n: ShardingPlan.from_json(js) for n, js in external.items()})
-    secs = time_plans(list(plans.values()), work, opt, steps, rounds, Path(out) / "stores", reduce=list)
+    inside: list = []
+    secs = time_plans(list(plans.values()), work, opt, steps, rounds, Path(out) / "stores", reduce=list,
+                      store_seconds=inside)
     if rank == 0:
         def info(p):
             return {"estimated_ms": step_ms(estimate(p, tabs, topo, B, opt), topo),
+                    "estimated_parts_ms": _parts_ms(p, tabs, topo, B, opt),
                     "shardings": {t.name: t.sharding.value for t in p.tables},
                     "tiers": {t.name: sorted({s.tier.value for s in t.shards}) for t in p.tables},
                     "ranks": {t.name: [s.rank for s in t.shards] for t in p.tables},
                     "rank_bytes": p.rank_bytes()}
-        res = {n: {"rounds_ms": [x * 1e3 for x in t], **info(p)} for (n, p), t in zip(plans.items(), secs)}
+        res = {n: {"rounds_ms": [x * 1e3 for x in t], "store_ms": statistics.median(x) * 1e3, **info(p)}
+               for (n, p), t, x in zip(plans.items(), secs, inside)}
         res.update({n: {"rounds_ms": None, **info(p)} for n, p in untimed.items()})
         Path(out, "result.json").write_text(json.dumps({"topology": topo.__dict__, "plans": res,
                                                         "infeasible": infeasible}))
+
+
+def _parts_ms(p: ShardingPlan, tables, topo: Topology, batch: int, optimizer) -> dict[str, float]:
+    """The cost model's compute / comm / prefetch ms of a plan, summed over its shards."""
+    from .cost import OptimizerCost, TierChoice, perf, shard_shape
+
+    opt = OptimizerCost.of(optimizer)
+    tabs = {t.name: t for t in tables}
+    tot = {"compute": 0.0, "comm": 0.0, "prefetch": 0.0}
+    for tp in p.tables:
+        t = tabs[tp.name]
+        for s in tp.shards:
+            shape = shard_shape(t, tp.sharding, topo, batch, s.row_parts, s.col_width or t.dim)
+            q = perf(t, tp.sharding, shape, TierChoice(s.tier, s.device_rows, s.host_rows), topo, opt)
+            tot = {"compute": tot["compute"] + q.compute * 1e3, "comm": tot["comm"] + q.comm * 1e3,
+                   "prefetch": tot["prefetch"] + q.prefetch * 1e3}
+    return tot

@@ -239,6 +239,19 @@ def test_torchrec_planner_plan_translates_and_fits():
     assert p.table("big").sharding is not ShardingType.TABLE_WISE
     # TorchRec kept every rank within its memory (device + host budget, all in DDR)
     assert all(b["device"] <= topo.device_bytes + topo.host_bytes for b in p.rank_bytes())
+    # fit to hiermem's budgets: same shardings, ranks and columns; every rank within them
+    from hiermem.sharding.torchrec_plan import fit_tiers
+
+    fit = fit_tiers(p, tables, topo, 128, hm.RowWiseAdagrad(lr=0.1))
+    for a, b in zip(p.tables, fit.tables, strict=True):
+        assert a.sharding is b.sharding and [(s.rank, s.col_start, s.col_width, s.row_part) for s in a.shards] == \
+            [(s.rank, s.col_start, s.col_width, s.row_part) for s in b.shards]
+    assert all(b["device"] <= topo.device_bytes and b["host"] <= topo.host_bytes for b in fit.rank_bytes())
+    assert any(s.tier is not TierPlacement.DEVICE for t in fit.tables for s in t.shards)
+    from hiermem.sharding import PlannerError
+
+    with pytest.raises(PlannerError, match="fits no tier"):
+        fit_tiers(p, tables, Topology(2, 2, device_bytes=1e6, host_bytes=1e6, ssd_bytes=0.0), 128)
     # a kernel hiermem has no equivalent for is refused
     import copy
 

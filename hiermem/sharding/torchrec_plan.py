@@ -20,14 +20,18 @@ Translation, per table:
 
 On a CPU topology TorchRec keeps every table in the ranks' DDR (``ddr_cap``) and has no
 cached tier, so it gets all the memory of a hiermem rank, ``device_bytes + host_bytes``,
-and its tables land in hiermem's fastest tier (``DEVICE``): on CPU both tiers are the
-same DDR, and TorchRec's plan is not charged for caching what does not fit the device
-budget -- an advantage to TorchRec in any comparison.  torchrec is imported only here.
+and :func:`translate` puts its tables in hiermem's fastest tier (``DEVICE``), which may
+exceed hiermem's device budget.  :func:`fit_tiers` makes that plan respect the same
+budgets hiermem's planner had: TorchRec's shardings, ranks and column splits stay, and
+each shard takes the fastest tier placement (hiermem's tier rules and cost model) that
+fits its rank's remaining device / host / SSD budget, costliest shards first -- the
+best tiering TorchRec's sharding can get.  torchrec is imported only here.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from ..errors import InvalidArgumentError
@@ -142,6 +146,50 @@ def translate(tr_plan, tables: Sequence[PlannerTable], topology: Topology, batch
                         {"batch_size": batch_size, "source": "torchrec", "step_ms": step_ms(rank_ms, topology)})
 
 
+def fit_tiers(p: ShardingPlan, tables: Sequence[PlannerTable], topology: Topology, batch_size: int,
+              optimizer=None) -> ShardingPlan:
+    """``p``'s shardings, ranks and columns with every shard in the fastest tier placement
+    that fits its rank's budgets left (``topology``'s), costliest shards first.
+
+    Raises:
+        PlannerError: a shard fits in no tier placement of its rank (names the table).
+    """
+    import numpy as np
+
+    from ..optim import SGD
+    from .planner import estimate, step_ms, tier_candidates
+    from .types import PlannerError
+
+    opt = OptimizerCost.of(optimizer if optimizer is not None else SGD())
+    tabs = {t.name: t for t in tables}
+    rem = np.tile([topology.device_bytes, topology.host_bytes, topology.ssd_bytes], (topology.world_size, 1))
+    items = []
+    for ti, tp in enumerate(p.tables):
+        t = tabs[tp.name]
+        for k, s in enumerate(tp.shards):
+            shape = shard_shape(t, tp.sharding, topology, batch_size, s.row_parts, s.col_width or t.dim)
+            items.append((ti, k, tier_candidates(t, tp.sharding, shape, topology, opt)))
+    items.sort(key=lambda x: -float(x[2].seconds[0]))
+    shards = [list(tp.shards) for tp in p.tables]
+    for ti, k, c in items:
+        s = shards[ti][k]
+        fits = np.nonzero((c.nbytes <= rem[s.rank][None, :]).all(1))[0]
+        if not fits.size:
+            raise PlannerError(f"table {p.tables[ti].name}: a shard fits no tier of rank {s.rank}'s budgets left",
+                               table=p.tables[ti].name)
+        j = int(fits[0])
+        ch, b = c.choices[j], c.nbytes[j]
+        rem[s.rank] -= b
+        shards[ti][k] = replace(s, tier=ch.tier, device_rows=int(ch.device_rows), host_rows=int(ch.host_rows),
+                                est_ms=float(c.seconds[j]) * 1e3, device_bytes=float(b[0]), host_bytes=float(b[1]),
+                                ssd_bytes=float(b[2]))
+    q = ShardingPlan(p.world_size, p.ranks_per_host,
+                     tuple(replace(tp, shards=tuple(sh)) for tp, sh in zip(p.tables, shards)))
+    rank_ms = estimate(q, tables, topology, batch_size, optimizer)
+    return ShardingPlan(q.world_size, q.ranks_per_host, q.tables, tuple(rank_ms),
+                        {**p.meta, "tiers": "fit to budgets", "step_ms": step_ms(rank_ms, topology)})
+
+
 def _cache_rows(ps, rows: int) -> Optional[int]:
     clf = (ps.cache_params.load_factor if getattr(ps, "cache_params", None) is not None else None)
     return None if clf is None else max(1, int(math.ceil(clf * rows)))
@@ -177,4 +225,4 @@ def _table(t: PlannerTable, st: ShardingType, tier: TierPlacement, ps, topology:
     return TablePlan(t.name, st, tuple(shards_out), t.dim)
 
 
-__all__ = ["SHARDING", "TIER", "torchrec_plan", "translate"]
+__all__ = ["SHARDING", "TIER", "fit_tiers", "torchrec_plan", "translate"]

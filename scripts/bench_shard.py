@@ -92,7 +92,8 @@ def main() -> None:
                      steps, rounds, 2.0 if a.quick else float("inf"))
         r = json.loads(Path(d, "result.json").read_text())
     t = r["topology"]
-    print(f"calibrated: store {t['device_bw'] / 1e9:.2f} GB/s, call overhead {t['call_overhead_s'] * 1e6:.0f} us, "
+    print(f"calibrated: store {t['device_bw'] / 1e9:.2f} GB/s (host tier {t['host_bw'] / 1e9:.2f} GB/s), "
+          f"call overhead {t['call_overhead_s'] * 1e6:.0f} us, "
           f"all-to-all {t['intra_host_bw'] / 1e9:.2f} GB/s, "
           f"collective latency {t['collective_latency_s'] * 1e6:.0f} us, "
           f"ranks running at once {t['concurrency']:.2f} of 2")

@@ -47,7 +47,9 @@ def _timeit(fn, reps: int, tries: int = 3) -> float:
 
 
 def calibrate(world_size: int, ranks_per_host: int, optimizer, tmp: str | Path) -> Topology:
-    """A :class:`Topology` measured on this group (call on every rank)."""
+    """A :class:`Topology` measured on this group (call on every rank): store throughput
+    with rows in the device tier (``device_bw``) and in the host tier (``host_bw``), call
+    overhead, how many ranks run at once, collective latency and all-to-all bandwidth."""
     path = Path(tmp) / f"calib{dist.get_rank()}"
     dim, n = 64, 40_000
     with HierarchicalStore([TableSpec("c", 200_000, dim)],
@@ -75,10 +77,18 @@ def calibrate(world_size: int, ranks_per_host: int, optimizer, tmp: str | Path) 
         alone = _timeit(big, 5) if dist.get_rank() == 0 else 0.0
         dist.barrier()
         alone = _max_over_ranks(alone)
+    # the same work with every row in the host tier (the device tier stages a batch)
+    with HierarchicalStore([TableSpec("c", 200_000, dim)],
+                           StoreConfig(Path(tmp) / f"calib-host{dist.get_rank()}", device_rows=1,
+                                       host_rows=210_000, optimizer=optimizer)) as s:
+        th = _max_over_ranks(_timeit(big, 5))
     rec = (dim + optimizer.state_width(dim)) * 4
     U = min(n, 200_000 * (1 - torch.exp(torch.tensor(-n / 200_000)).item()))
     charged = n * dim * 4 + 2 * bags * dim * 4 + 2 * U * rec
     bw = charged / max(tb - 2 * oh, 1e-6)
+    # the cost model charges a host-tier shard ``charged / host_bw`` plus its ids' rows
+    # copied up at ``device_host_bw`` (here ``bw``)
+    host_bw = charged / max(th - 2 * oh - n * dim * 4 / bw, charged / bw / 4)
     tiny = torch.zeros(2 * world_size)
     lat = _max_over_ranks(_timeit(lambda: all_to_all(tiny, [2] * world_size, [2] * world_size), 50))
     m = 1 << 20
@@ -87,7 +97,7 @@ def calibrate(world_size: int, ranks_per_host: int, optimizer, tmp: str | Path) 
     a2a_bw = (m * 4 * (world_size - 1)) / max(ta - lat, 1e-6)
     per_shard, step = _module_overheads(world_size, optimizer, Path(tmp))
     return Topology(world_size, ranks_per_host, device_bytes=1e10, host_bytes=1e10, ssd_bytes=1e11,
-                    device_bw=bw, host_bw=bw, device_host_bw=bw, ssd_bw=bw / 10, intra_host_bw=a2a_bw,
+                    device_bw=bw, host_bw=min(bw, host_bw), device_host_bw=bw, ssd_bw=bw / 10, intra_host_bw=a2a_bw,
                     inter_host_bw=a2a_bw, call_overhead_s=max(oh, per_shard / 2), collective_latency_s=lat,
                     step_overhead_s=max(0.0, step - 4 * lat),
                     concurrency=min(float(world_size), max(1.0, world_size * alone / tb)))

@@ -20,10 +20,14 @@ from torch import nn
 
 from .errors import InvalidArgumentError, InvalidTypeError
 from .features import SparseFeatures
-from .store import HierarchicalStore
+from .store import HierarchicalStore, initial_records
+from .torchrec_compat import TorchRecLayout
 from .types import StoreConfig, TableSpec
 
 _MODES = ("sum", "mean")
+#: What ``forward`` returns: a tensor ``[B, sum(dims)]``, ``{name: [B, dim]}``, or a
+#: ``torchrec.KeyedTensor``.
+_OUTPUTS = ("tensor", "dict", "keyed")
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -61,6 +65,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         config: the store's configuration (tiers, policy, optimizer, path).
         mode: pooling, ``"sum"`` or ``"mean"`` (as ``nn.EmbeddingBag``).
         store: an open store to use instead of creating one from ``config``.
+        output: ``"tensor"`` (default), ``"dict"`` or ``"keyed"`` (a TorchRec
+            ``KeyedTensor``; needs torchrec).
 
     Input is :class:`SparseFeatures` (or a torchrec ``KeyedJaggedTensor``) with one key
     per table, in any order; output ``[B, sum(dims)]`` in table order, or a dict per
@@ -72,10 +78,16 @@ class CachedEmbeddingBagCollection(nn.Module):
     """
 
     def __init__(self, tables: Sequence[TableSpec], config: StoreConfig | None = None, mode: str = "sum",
-                 store: HierarchicalStore | None = None):
+                 store: HierarchicalStore | None = None, output: str = "tensor"):
         super().__init__()
         if mode not in _MODES:
             raise InvalidArgumentError(f"mode must be one of {_MODES}, got {mode!r}")
+        if output not in _OUTPUTS:
+            raise InvalidArgumentError(f"output must be one of {_OUTPUTS}, got {output!r}")
+        if output == "keyed":
+            from .torchrec_compat import _require
+
+            _require()
         if (store is None) == (config is None):
             raise InvalidArgumentError("give exactly one of config and store")
         self.store = store if store is not None else HierarchicalStore(tables, config)
@@ -89,6 +101,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._cols: dict[tuple, torch.Tensor] = {}
         self._all_tables = list(range(len(self.tables)))
         self._table_of = {n: i for i, n in enumerate(self.names)}
+        self.output = output
+        self._set_layout(TorchRecLayout.identity(self.tables, mode))
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -117,6 +131,96 @@ class CachedEmbeddingBagCollection(nn.Module):
         return m
 
     @classmethod
+    def from_torchrec(cls, ebc, config: StoreConfig, output: str = "keyed",
+                      chunk_rows: int = 1 << 20) -> "CachedEmbeddingBagCollection":
+        """A drop-in for a TorchRec ``EmbeddingBagCollection``, with its current weights.
+
+        Tables, names, dims, pooling (one of SUM/MEAN for all tables) and weighting come
+        from ``ebc``'s ``EmbeddingBagConfig``s; each table reads the features in its
+        config's ``feature_names`` and each feature's output is named as TorchRec names
+        it (``feature``, or ``feature@table`` when tables share a feature name).  The
+        result takes a ``KeyedJaggedTensor`` and, with ``output="keyed"``, returns a
+        ``KeyedTensor``; ``embedding_bag_configs()`` and ``is_weighted()`` answer as the
+        EBC's do, so TorchRec models (e.g. ``torchrec.models.dlrm.DLRM``) accept it.
+        Tables of an EBC on the ``meta`` device start from hiermem's initialiser.
+
+        Raises:
+            InvalidTypeError: ``ebc`` is not a TorchRec ``EmbeddingBagCollection``.
+            InvalidArgumentError: torchrec is not importable; mixed or unsupported
+                pooling; a feature read by two tables; non-FP32 tables.
+        """
+        from .torchrec_compat import ebc_weights, layout_of
+
+        layout = layout_of(ebc)
+        if output not in _OUTPUTS:
+            raise InvalidArgumentError(f"output must be one of {_OUTPUTS}, got {output!r}")
+        m = cls(layout.tables, config, mode=layout.mode, output=output)
+        m._set_layout(layout)
+        m._import_weights(ebc_weights(ebc), chunk_rows)
+        return m
+
+    def _import_weights(self, weights: Mapping[str, torch.Tensor], chunk_rows: int) -> None:
+        """Set every row of each named table to ``weights[name]`` (optimizer state reset)."""
+        st = self.store
+        for name, w in weights.items():
+            width = st.widths[st.table_index(name)]
+            for i in range(0, w.shape[0], chunk_rows):
+                part = w[i:i + chunk_rows]
+                rec = torch.full((part.shape[0], width), st.optimizer.state_init(), dtype=torch.float32)
+                rec[:, :part.shape[1]] = part
+                st.import_records(name, torch.arange(i, i + part.shape[0]), rec)
+
+    def _set_layout(self, layout: TorchRecLayout) -> None:
+        """Route features to tables and name outputs as ``layout`` says."""
+        self._layout = layout
+        self._table_of = layout.table_of
+        self._cols = {}
+        self.output_names = [o.name for o in layout.outputs]
+        self.output_dims = [self.tables[o.table].dim for o in layout.outputs]
+
+    def embedding_bag_configs(self) -> list:
+        """TorchRec ``EmbeddingBagConfig``s of the tables (as TorchRec's EBC answers)."""
+        from .torchrec_compat import configs_for
+
+        return configs_for(self._layout)
+
+    def is_weighted(self) -> bool:
+        """Whether per-id weights of the input are used (TorchRec's ``is_weighted``)."""
+        return self._layout.weighted
+
+    def table_rows(self, table: str, chunk_rows: int = 1 << 20) -> torch.Tensor:
+        """Every row ``[num_rows, dim]`` of a bounded table, from whichever tier holds it.
+
+        Rows never written are their initial values.  Not a hot path: flushes, then
+        reads the written rows from LMDB in one pass; the cache is left as it was.
+        """
+        st = self.store
+        ti = st.table_index(table)
+        spec = self.tables[ti]
+        if spec.num_rows is None:
+            raise InvalidArgumentError(f"table {table} is unbounded (hashed ids): it has no dense row range")
+        out = torch.empty((spec.num_rows, spec.dim), dtype=torch.float32)
+        for i in range(0, spec.num_rows, chunk_rows):
+            ids = torch.arange(i, min(i + chunk_rows, spec.num_rows))
+            out[i:i + ids.numel()] = initial_records(spec, ti, st.config.seed, st.optimizer, ids)[:, :spec.dim]
+        ids, rec = st.export(table)
+        if ids.numel():
+            out.index_copy_(0, ids.to(torch.int64).cpu(), rec[:, :spec.dim].to("cpu", torch.float32))
+        return out
+
+    def to_torchrec(self, device=None, weighted: bool | None = None):
+        """A plain TorchRec ``EmbeddingBagCollection`` with the current weights of every
+        table (all tiers), e.g. for serving.  Same configs, names and weighting (for a
+        collection not made by :meth:`from_torchrec`, ``weighted`` defaults to False).
+
+        Raises:
+            InvalidArgumentError: torchrec is not importable, or a table is unbounded.
+        """
+        from .torchrec_compat import export_ebc
+
+        return export_ebc(self._layout, self.table_rows, device, weighted)
+
+    @classmethod
     def restore(cls, checkpoint: str | os.PathLike, path: str | os.PathLike, mode: str = "sum",
                 **overrides) -> "CachedEmbeddingBagCollection":
         """A collection over a copy of the store checkpoint ``checkpoint``, placed at ``path``."""
@@ -135,8 +239,14 @@ class CachedEmbeddingBagCollection(nn.Module):
             f = SparseFeatures.from_kjt(features)  # torchrec.KeyedJaggedTensor
         else:
             raise InvalidTypeError(f"expected SparseFeatures or a KeyedJaggedTensor, got {type(features).__name__}")
-        if set(f.keys) != set(self.names):
-            raise InvalidArgumentError(f"features {sorted(f.keys)} do not match tables {sorted(self.names)}")
+        want = self._table_of
+        if set(f.keys) != set(want):
+            missing = set(want) - set(f.keys)
+            if missing or not self._layout.configs:  # a TorchRec drop-in ignores other features
+                raise InvalidArgumentError(f"features {sorted(f.keys)} do not match tables {sorted(want)}")
+            from .torchrec_compat import select_features
+
+            f = select_features(f, tuple(want))
         return f
 
     def id_tables(self, f: SparseFeatures) -> torch.Tensor:
@@ -150,14 +260,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         if ck not in self._cols:
             D = self.store.max_dim
             pos = {k: i for i, k in enumerate(keys)}
-            cols = [torch.arange(d) + pos[n] * D for n, d in zip(self.names, self.dims)]
+            cols = [torch.arange(d) + pos[o.feature] * D for o, d in zip(self._layout.outputs, self.output_dims)]
             c = torch.cat(cols)
             same = c.numel() == len(keys) * D and bool((c == torch.arange(c.numel())).all())
             self._cols[ck] = None if same else c.to(self.store.device)
         return self._cols[ck]
 
     def forward(self, features, as_dict: bool = False):
-        """Pooled embeddings ``[B, sum(dims)]`` (table order), or ``{table: [B, dim]}``."""
+        """Pooled embeddings ``[B, sum(dims)]`` (table order), or ``{table: [B, dim]}``
+        (``as_dict`` or ``output="dict"``), or a ``KeyedTensor`` (``output="keyed"``)."""
         pending = self._pending.pop(id(features), None)
         f = self._features(features)
         dev = self.store.device
@@ -165,7 +276,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         ids = f.values.to(dev, torch.int64)
         tables = self.id_tables(f).to(dev)
         offsets = f.offsets()[:-1].to(dev)
-        weights = None if f.weights is None else f.weights.to(dev, torch.float32)
+        weights = None if f.weights is None or not self._layout.weighted else f.weights.to(dev, torch.float32)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
         pooled = _PooledLookup.apply(anchor, self, tables, ids, offsets, weights, pending)
         if pending is not None and not pooled.requires_grad:  # no backward will run: unpin now
@@ -174,9 +285,13 @@ class CachedEmbeddingBagCollection(nn.Module):
         flat = pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
         cols = self._columns(f.keys)
         out = flat if cols is None else flat.index_select(1, cols)
-        if not as_dict:
-            return out
-        return dict(zip(self.names, torch.split(out, self.dims, dim=1)))
+        if as_dict or self.output == "dict":
+            return dict(zip(self.output_names, torch.split(out, self.output_dims, dim=1)))
+        if self.output == "keyed":
+            from .torchrec_compat import keyed_tensor
+
+            return keyed_tensor(self.output_names, self.output_dims, out)
+        return out
 
     # -- state ---------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

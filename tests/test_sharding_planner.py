@@ -174,3 +174,27 @@ def test_plan_scale_script_runs_small():
     assert r.returncode == 0, r.stderr
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert last["tables"] == 100 and last["world_size"] == 32 and last["max_device_bytes"] <= 16e9
+
+
+def test_stages_and_rules_are_pluggable():
+    """Each stage is replaceable, and a tier is one rule: an estimator that knows only
+    the device tier never caches; a custom search sees every table's options."""
+    from hiermem.sharding.planner import CostEstimator, GreedySearch
+    from hiermem.sharding.rules import SHARDING_RULES, TIER_RULES, DeviceTier
+
+    assert set(SHARDING_RULES) == set(ShardingType) and len(TIER_RULES) == len(TierPlacement)
+    tables = [PlannerTable("a", 10_000, 16, 4.0), PlannerTable("b", 500, 8, 1.0)]
+    topo = Topology(2, 2, device_bytes=1e9)
+    only_device = plan(tables, topo, 64, estimator=CostEstimator((DeviceTier(),)))
+    assert {s.tier for t in only_device.tables for s in t.shards} == {TierPlacement.DEVICE}
+    seen = {}
+
+    class Spy(GreedySearch):
+        def __call__(self, tabs, options, topo, base_s):
+            seen.update({k: {o.sharding for o in v} for k, v in options.items()})
+            return super().__call__(tabs, options, topo, base_s)
+
+    p = plan(tables, topo, 64, search=Spy())
+    assert p == plan(tables, topo, 64)
+    assert seen["a"] == {ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
+                         ShardingType.DATA_PARALLEL}  # one host: TWRW is RW

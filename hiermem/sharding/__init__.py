@@ -3,7 +3,10 @@
 * :mod:`.types`: :class:`ShardingType`, :class:`TierPlacement`, :class:`Topology`,
   :class:`PlannerTable`, the frozen JSON-serialisable :class:`ShardingPlan`, :class:`PlannerError`.
 * :mod:`.cost`: the pure cost model (:class:`Perf`, :class:`Storage`, hit rates).
-* :mod:`.planner`: :func:`plan` (greedy LPT search), :func:`naive_plan`, :func:`estimate`.
+* :mod:`.planner`: :func:`plan` (stages: enumerate, estimate, greedy LPT search),
+  :func:`naive_plan`, :func:`estimate`; :mod:`.rules`: one rule per sharding type and tier.
+* :mod:`.torchrec_plan`: TorchRec's ``EmbeddingShardingPlanner`` on the same tables,
+  its plan translated into a :class:`ShardingPlan` (needs torchrec).
 * :mod:`.module`: :class:`ShardedEmbeddingBagCollection`; :mod:`.dist`: :func:`launch_local`.
 * :mod:`.config`: TOML/JSON planner configs and the ``hiermem plan`` table.
 """

@@ -8,7 +8,10 @@ table's (the initialiser is the logical table's, sliced to the shard's columns).
 
 Forward (every rank, the same tables every step):
 
-Collectives run on gloo (CPU tensors); NCCL is refused for now.
+Collectives are device-generic (:mod:`.dist`): on NCCL the exchange buffers travel as
+CUDA tensors on the rank's current device, on gloo as CPU tensors; the bookkeeping
+(splits, offsets) stays on the CPU, each rank's store keeps its rows on ``cfg.device``,
+and the output is on ``cfg.device``.
 
 1. input distribution: one ``all_to_all`` of a 4-int header per rank pair (sizes,
    batch size, weighted, input valid), then one ``all_to_all`` of every shard's
@@ -45,7 +48,7 @@ from ..errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, Non
 from ..features import SparseFeatures
 from ..store import HierarchicalStore, initial_records
 from ..types import StoreConfig, TableSpec
-from .dist import all_gather_varlen, all_to_all
+from .dist import all_gather_varlen, all_reduce, all_to_all, comm_device
 from .types import ShardingPlan, ShardingType
 
 _ROWWISE = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
@@ -118,7 +121,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         mode: ``"sum"`` or ``"mean"`` pooling, as ``nn.EmbeddingBag``.
 
     ``forward(features)`` takes this rank's :class:`~hiermem.SparseFeatures` (one key
-    per table, any key order) and returns ``[B, sum(dims)]`` for this rank's samples.
+    per table, any key order) and returns ``[B, sum(dims)]`` for this rank's samples,
+    on ``cfg.device``.  The group may be gloo (CPU) or NCCL (CUDA; each rank's current
+    CUDA device set before construction).
 
     Raises:
         InvalidTypeError, InvalidArgumentError: tables, plan and group do not match.
@@ -137,9 +142,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if mode not in _MODES:
             raise InvalidArgumentError(f"mode must be one of {_MODES}, got {mode!r}")
         self.group = process_group
-        if dist.get_backend(process_group) != "gloo":  # collectives here move CPU tensors
-            raise InvalidArgumentError(f"backend {dist.get_backend(process_group)!r}: only gloo is supported yet "
-                                       "(NCCL needs the exchange buffers on the GPU)")
+        backend = dist.get_backend(process_group)
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise InvalidArgumentError("backend 'nccl' needs CUDA")
+        self._comm = comm_device(process_group)  # collectives: CUDA on NCCL, CPU on gloo
+        self.device = torch.device(cfg.device)
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         if plan.world_size != self.world:
             raise InvalidArgumentError(f"plan is for world size {plan.world_size}, the group has {self.world}")
@@ -245,6 +252,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                        f"{list(self.names)}")
         if self.mode == "mean" and features.weights is not None:
             raise InvalidArgumentError("weights need mode='sum' (as nn.EmbeddingBag)")
+        if features.values.device.type != "cpu":  # the split bookkeeping runs on the CPU
+            features = features.to("cpu")
         B = features.batch_size
         pos = {k: i for i, k in enumerate(features.keys)}
         lengths = features.lengths.to(torch.int64).view(len(features.keys), B)
@@ -300,13 +309,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         bufs = [torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in parts]
         code = 0 if err is None else _ERRORS.index(type(err)) + 1
         hdr = torch.tensor([[b.numel(), B, int(weighted), code] for b in bufs], dtype=torch.int64)
-        rh = all_to_all(hdr.view(-1), [4] * self.world, [4] * self.world, self.group).view(self.world, 4)
+        rh = all_to_all(hdr.view(-1), [4] * self.world, [4] * self.world, self.group, self._comm)
+        rh = rh.view(self.world, 4)
         if err is not None:
             raise err
         if bool(rh[:, 3].any()):
             bad = rh[:, 3].nonzero().squeeze(1).tolist()
             raise _ERRORS[int(rh[bad[0], 3]) - 1](f"ranks {bad} had invalid input this step; nothing was looked up")
-        recv = all_to_all(torch.cat(bufs), [b.numel() for b in bufs], rh[:, 0].tolist(), self.group)
+        recv = all_to_all(torch.cat(bufs), [b.numel() for b in bufs], rh[:, 0].tolist(), self.group, self._comm)
         src_B = rh[:, 1].tolist()
         local = self._lookup_local(recv, src_B, rh[:, 2].tolist())
         pieces = self._exchange_pooled(local, src_B, B)
@@ -359,7 +369,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         send_splits = [sum(src_B[i] * s.dim for s in self._local) for i in range(self.world)]
         recv_splits = [sum(B * s.dim for s in self._by_rank[r]) for r in range(self.world)]
         buf = torch.cat(send) if send else torch.zeros(0)
-        recv = all_to_all(buf, send_splits, recv_splits, self.group)
+        recv = all_to_all(buf, send_splits, recv_splits, self.group, self._comm)
         pieces, p = {}, 0
         for r in range(self.world):
             for s in self._by_rank[r]:
@@ -395,9 +405,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     # -- backward -------------------------------------------------------------------
     def _backward(self, ctx: _Ctx, grad: torch.Tensor) -> None:
-        grad = grad.detach().to(torch.float32).contiguous()
+        grad = grad.detach().to("cpu", torch.float32).contiguous()
         ok = torch.tensor([int(bool(torch.isfinite(grad).all()))], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # refuse NaN/inf on every rank
+        all_reduce(ok, dist.ReduceOp.MIN, self.group, self._comm)  # refuse NaN/inf on every rank
         if not int(ok):
             raise NonFiniteGradientError("a rank's gradient holds NaN or inf; no shard was updated")
         per_table = torch.split(grad, list(self.dims), dim=1)
@@ -410,7 +420,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 send.append(g.reshape(-1))
         send_splits = [sum(ctx.B * s.dim for s in self._by_rank[r]) for r in range(self.world)]
         recv_splits = [sum(ctx.src_B[i] * s.dim for s in self._local) for i in range(self.world)]
-        recv = all_to_all(torch.cat(send) if send else torch.zeros(0), send_splits, recv_splits, self.group)
+        recv = all_to_all(torch.cat(send) if send else torch.zeros(0), send_splits, recv_splits, self.group,
+                          self._comm)
         chunks: list[list[torch.Tensor]] = [[] for _ in self._local]
         p = 0
         for i in range(self.world):
@@ -452,7 +463,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for _, _, gu in mine:
                 stat.add_(self.optimizer.row_statistic(gu, full))
             if self._cw_groups[ti] is not None:
-                dist.all_reduce(stat, group=self._cw_groups[ti])
+                all_reduce(stat, dist.ReduceOp.SUM, self._cw_groups[ti], self._comm)
             for s, uniq, gu in mine:
                 if uniq.numel():
                     self.store.update_with_row_stat(s.key, uniq, gu, stat)
@@ -465,8 +476,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 uniq, gu = self._row_grads(ids, off, w, per_table[ti])
             else:
                 uniq, gu = torch.zeros(0, dtype=torch.int64), torch.zeros((0, self.dims[ti]))
-            all_ids = torch.cat(all_gather_varlen(uniq, self.group))
-            all_g = torch.cat(all_gather_varlen(gu.contiguous(), self.group))
+            all_ids = torch.cat(all_gather_varlen(uniq, self.group, self._comm))
+            all_g = torch.cat(all_gather_varlen(gu.contiguous(), self.group, self._comm))
             if all_ids.numel():
                 self.store.update(f"{self.names[ti]}.dp", all_ids, all_g)
 
@@ -483,7 +494,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise InvalidArgumentError(f"unknown table {table!r}")
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
         rounds = torch.tensor([-(-ids.numel() // chunk)], dtype=torch.int64)
-        dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce(rounds, dist.ReduceOp.MAX, self.group, self._comm)
         out = []
         for part in range(int(rounds)):
             sub = ids[part * chunk:(part + 1) * chunk]
@@ -515,7 +526,7 @@ class _ShardedLookup(torch.autograd.Function):
     def forward(ctx, module: ShardedEmbeddingBagCollection, features: SparseFeatures, anchor: torch.Tensor):
         out, c = module._forward(features, keep=anchor.requires_grad)
         ctx.module, ctx.c = module, c
-        return out
+        return out.to(module.device)
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,35 +1,40 @@
 """The planner: enumerate options -> estimate once -> greedy LPT search -> ShardingPlan.
 
-Stages (cf. TorchRec's planner), each a small function over frozen values:
+Stages (cf. TorchRec's planner), each a small protocol over frozen values, composed by
+:func:`plan`:
 
-1. :func:`enumerate_options`: per table, the shardings it allows (TW, RW, CW with 2/4/8
-   column shards, DP, TWRW) and, per shard, tier placements (all device; device cache
-   of ``c`` over host for a grid of ``c``; host-resident; SSD with device+host caches).
-2. estimation: every candidate is costed once by :mod:`hiermem.sharding.cost`, then
-   pruned to the knee of its time/memory frontier (a bigger cache must buy >= 1%).
-3. :func:`plan`: greedy longest-processing-time-first: tables in decreasing order of
-   cost; each takes the option and ranks that minimise the slowest rank's estimated
-   step time (ties: the least total added time) among those that fit every rank's
-   remaining device/host/SSD budget.  No option fits: :class:`PlannerError` naming the
-   table and the shortfall.
+1. :class:`Enumerator` (default :class:`RuleEnumerator`): per table, the shapes every
+   allowed sharding's rule offers (:mod:`.rules`: TW, RW, CW with 2/4/8 column shards,
+   DP, TWRW) -- :class:`~hiermem.sharding.rules.Shape` values.
+2. :class:`Estimator` (default :class:`CostEstimator`): per shape, every tier placement
+   the tier rules offer (all device; device cache of ``c`` over host for a grid of
+   ``c``; host-resident; SSD with device+host caches), each costed once by
+   :mod:`hiermem.sharding.cost`, then pruned to the knee of its time/memory frontier (a
+   bigger cache must buy >= 1%) -- an :class:`Option` with its :class:`Candidates`.
+3. :class:`Search` (default :class:`GreedySearch`): greedy longest-processing-time-first:
+   tables in decreasing order of cost; each takes the option and ranks (chosen by its
+   sharding's rule) that minimise the slowest rank's estimated step time (ties: the
+   least total added time) among those that fit every rank's remaining device/host/SSD
+   budget.  No option fits: :class:`PlannerError` naming the table and the shortfall.
+
+Adding a sharding type or a tier is one rule in :mod:`.rules` (and its cost in
+:mod:`.cost`); nothing here branches on the type.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
 from .cost import OptimizerCost, ShardShape, TierChoice, distinct_rows, perf, shard_shape, storage
+from .rules import CW_SPLITS, MIN_CW_DIM, SHARDING_RULES, TIER_RULES, Shape  # noqa: F401 (re-exported)
 from .types import (PlannerError, PlannerErrorKind, PlannerTable, ShardingPlan, ShardingType, ShardPlan,
-                    TablePlan, TierPlacement, Topology)
+                    TablePlan, Topology)
 
 ALL_SHARDINGS = tuple(ShardingType)
-#: Column shards of a CW option (each at least :data:`MIN_CW_DIM` wide).
-CW_SPLITS = (2, 4, 8)
-MIN_CW_DIM = 4
 #: A larger cache must cut a shard's estimated time by this fraction to stay a candidate.
 KNEE = 0.01
 #: Collectives of every step whatever the plan (header, ids, pooled rows, gradients).
@@ -55,25 +60,30 @@ class Option:
     cands: Candidates
 
 
-def _grid(rows: int, lo: int = 1) -> list[int]:
-    out, c = [], rows // 2
-    while c >= max(1, lo) and len(out) < 12:
-        out.append(c)
-        c //= 4
-    return out
+class Enumerator(Protocol):
+    """Stage 1: the shapes a table may take."""
+
+    def __call__(self, table: PlannerTable, topo: Topology, batch: int,
+                 allowed: Sequence[ShardingType]) -> list[Shape]: ...
+
+
+class Estimator(Protocol):
+    """Stage 2: a shape's costed tier candidates."""
+
+    def __call__(self, table: PlannerTable, shape: Shape, topo: Topology, opt: OptimizerCost) -> Option: ...
+
+
+class Search(Protocol):
+    """Stage 3: a plan from every table's options."""
+
+    def __call__(self, tables: Sequence[PlannerTable], options: Mapping[str, list[Option]], topo: Topology,
+                 base_s: float) -> tuple[dict[str, TablePlan], np.ndarray]: ...
 
 
 def tier_candidates(table: PlannerTable, sharding: ShardingType, shape: ShardShape, topo: Topology,
-                    opt: OptimizerCost) -> Candidates:
-    """Every tier placement of one shard, costed and knee-pruned."""
-    n = shape.rows
-    need = int(math.ceil(min(float(n), shape.ids)))  # a batch's rows must be resident at once
-    choices = [TierChoice(TierPlacement.DEVICE, n, 1), TierChoice(TierPlacement.HOST, 1, n)]
-    choices += [TierChoice(TierPlacement.CACHED, c, n - c) for c in _grid(n)]
-    for cd in _grid(n):
-        for ch in (_grid(n) or [1])[::2]:
-            if cd + ch >= need and cd + ch < n:
-                choices.append(TierChoice(TierPlacement.SSD, cd, ch))
+                    opt: OptimizerCost, tiers: Sequence = TIER_RULES) -> Candidates:
+    """Every tier placement of one shard (from the ``tiers`` rules), costed and knee-pruned."""
+    choices = [c for rule in tiers for c in rule.choices(shape)]
     secs = np.array([perf(table, sharding, shape, c, topo, opt).total for c in choices])
     nb = np.array([[s.device, s.host, s.ssd] for s in (storage(shape, c, opt) for c in choices)])
     keep = []
@@ -87,35 +97,30 @@ def tier_candidates(table: PlannerTable, sharding: ShardingType, shape: ShardSha
     return Candidates(tuple(choices[j] for j in order), secs[order], nb[order])
 
 
-def _cw_widths(dim: int, k: int) -> tuple[int, ...]:
-    base, extra = divmod(dim, k)
-    return tuple(base + (1 if i < extra else 0) for i in range(k))
+class RuleEnumerator:
+    """Every allowed sharding's shapes, from :data:`~hiermem.sharding.rules.SHARDING_RULES`."""
+
+    def __call__(self, table, topo, batch, allowed):
+        return [sh for st in allowed for sh in SHARDING_RULES[st].shapes(table, topo, batch, allowed)]
+
+
+@dataclass(frozen=True)
+class CostEstimator:
+    """Tier candidates of a shape from the ``tiers`` rules, costed by :mod:`.cost`, knee-pruned."""
+
+    tiers: tuple = TIER_RULES
+
+    def __call__(self, table, shape, topo, opt):
+        return Option(shape.sharding, shape.nshards, shape.widths,
+                      tier_candidates(table, shape.sharding, shape.shape, topo, opt, self.tiers))
 
 
 def enumerate_options(table: PlannerTable, topo: Topology, batch: int, opt: OptimizerCost,
-                      allowed: Sequence[ShardingType] = ALL_SHARDINGS) -> list[Option]:
-    """The sharding options of one table, with their costed tier candidates."""
-    W, H = topo.world_size, topo.ranks_per_host
-    out = []
-    for st in allowed:
-        if st is ShardingType.TABLE_WISE or st is ShardingType.DATA_PARALLEL:
-            n, widths = (1 if st is ShardingType.TABLE_WISE else W), (table.dim,)
-            out.append(Option(st, n, widths * n, tier_candidates(table, st, shard_shape(table, st, topo, batch),
-                                                                 topo, opt)))
-        elif st is ShardingType.ROW_WISE or st is ShardingType.TABLE_ROW_WISE:
-            parts = W if st is ShardingType.ROW_WISE else H
-            if st is ShardingType.TABLE_ROW_WISE and H == W and ShardingType.ROW_WISE in allowed:
-                continue  # one host: TWRW is RW
-            shape = shard_shape(table, st, topo, batch, parts)
-            out.append(Option(st, parts, (table.dim,) * parts, tier_candidates(table, st, shape, topo, opt)))
-        else:
-            for k in CW_SPLITS:
-                if k > W or table.dim // k < MIN_CW_DIM:
-                    continue
-                widths = _cw_widths(table.dim, k)
-                shape = shard_shape(table, st, topo, batch, dim=widths[0])
-                out.append(Option(st, k, widths, tier_candidates(table, st, shape, topo, opt)))
-    return out
+                      allowed: Sequence[ShardingType] = ALL_SHARDINGS, enumerator: Optional[Enumerator] = None,
+                      estimator: Optional[Estimator] = None) -> list[Option]:
+    """The sharding options of one table, with their costed tier candidates (stages 1-2)."""
+    est = estimator or CostEstimator()
+    return [est(table, sh, topo, opt) for sh in (enumerator or RuleEnumerator())(table, topo, batch, allowed)]
 
 
 @dataclass
@@ -144,18 +149,7 @@ def _place(o: Option, st: _State, topo: Topology, rest: float) -> Optional[tuple
     """
     secs, idx = _best_per_rank(o.cands, st.rem)
     new = st.load + secs
-    cur = st.load.max()
-    if o.sharding is ShardingType.TABLE_WISE:
-        r = int(np.lexsort((new, np.maximum(new, cur)))[0])
-        ranks = [r]
-    elif o.sharding is ShardingType.COLUMN_WISE:
-        order = np.argsort(new, kind="stable")[: o.nshards]
-        ranks = sorted(int(r) for r in order)
-    elif o.sharding is ShardingType.TABLE_ROW_WISE:
-        hosts = [list(topo.host_ranks(h)) for h in range(topo.num_hosts)]
-        ranks = min(hosts, key=lambda rs: (new[rs].max(), secs[rs].sum()))
-    else:
-        ranks = list(range(topo.world_size))
+    ranks = SHARDING_RULES[o.sharding].ranks(o.nshards, secs, new, st.load.max(), topo)
     if not np.isfinite(secs[ranks]).all():
         return None
     loads = st.load.copy()
@@ -179,39 +173,61 @@ def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 def _shortfall(t: PlannerTable, options: list[Option], st: _State) -> PlannerError:
     best, where = math.inf, ""
-    names = ("device", "host", "ssd")
     for o in options:
         small = o.cands.nbytes.sum(1).argmin()
-        need = o.cands.nbytes[small]
-        deficit = np.maximum(need[None, :] - st.rem, 0.0)  # [W, 3]
-        if o.sharding is ShardingType.TABLE_WISE:
-            per = deficit.sum(1)
-            r = int(per.argmin())
-            cand, tier = float(per[r]), names[int(deficit[r].argmax())]
-        else:
-            per = np.sort(deficit.sum(1))[: o.nshards] if o.sharding is ShardingType.COLUMN_WISE else deficit.sum(1)
-            cand, tier = float(per.max()) * 1.0, names[int(deficit.sum(0).argmax())]
+        deficit = np.maximum(o.cands.nbytes[small][None, :] - st.rem, 0.0)  # [W, 3]
+        cand, tier = SHARDING_RULES[o.sharding].shortfall(deficit, o.nshards)
         if cand < best:
             best, where = cand, f"{o.sharding.value} ({tier})"
     return PlannerError(f"table {t.name} does not fit: even its smallest option, {where}, is {best:.4g} bytes "
                         f"over the budgets left", PlannerErrorKind.INSUFFICIENT_MEMORY, t.name, best)
 
 
-def _table_plan(t: PlannerTable, o: Option, ranks: list[int], idx: np.ndarray, topo: Topology) -> TablePlan:
-    shards, col = [], 0
+def _table_plan(t: PlannerTable, o: Option, ranks: list[int], idx: np.ndarray) -> TablePlan:
+    rule = SHARDING_RULES[o.sharding]
+    shards = []
     for k, r in enumerate(ranks):
         j = int(idx[r])
-        ch = o.cands.choices[j]
-        b = o.cands.nbytes[j]
-        row_part, row_parts, c0, w = 0, 1, 0, t.dim
-        if o.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
-            row_part, row_parts = k, len(ranks)
-        elif o.sharding is ShardingType.COLUMN_WISE:
-            c0, w = col, o.widths[k]
-            col += w
-        shards.append(ShardPlan(r, row_part, row_parts, c0, w, ch.tier, int(ch.device_rows), int(ch.host_rows),
-                                float(o.cands.seconds[j]) * 1e3, float(b[0]), float(b[1]), float(b[2])))
+        ch, b = o.cands.choices[j], o.cands.nbytes[j]
+        lay = rule.layout(k, len(ranks), o.widths, t.dim)
+        shards.append(ShardPlan(r, lay.row_part, lay.row_parts, lay.col_start, lay.width, ch.tier,
+                                int(ch.device_rows), int(ch.host_rows), float(o.cands.seconds[j]) * 1e3,
+                                float(b[0]), float(b[1]), float(b[2])))
     return TablePlan(t.name, o.sharding, tuple(shards), t.dim)
+
+
+class GreedySearch:
+    """Longest-processing-time-first: costliest tables first, each where the makespan
+    bound grows least (see :func:`_place`); returns the tables' plans and rank loads."""
+
+    def __call__(self, tables, options, topo, base_s):
+        W = topo.world_size
+        st = _State(np.full(W, base_s), np.tile([topo.device_bytes, topo.host_bytes, topo.ssd_bytes], (W, 1))
+                    .astype(float))
+
+        def least(t: PlannerTable) -> float:
+            return min(float(o.cands.seconds[0]) * o.nshards for o in options[t.name])
+
+        order = sorted(tables, key=lambda t: (-least(t), -t.num_rows * t.dim))
+        mins = [least(t) for t in order]
+        rest = float(np.sum(mins))
+        chosen: dict[str, TablePlan] = {}
+        for t, mine in zip(order, mins):
+            rest -= mine
+            best = None
+            for o in options[t.name]:
+                got = _place(o, st, topo, max(rest, 0.0))
+                if got is not None and (best is None or _better(got[0], best[0][0])):
+                    best = (got, o)
+            if best is None:
+                raise _shortfall(t, options[t.name], st)
+            (score, ranks, idx), o = best
+            tp = _table_plan(t, o, ranks, idx)
+            for s in tp.shards:
+                st.load[s.rank] += s.est_ms / 1e3
+                st.rem[s.rank] -= (s.device_bytes, s.host_bytes, s.ssd_bytes)
+            chosen[t.name] = tp
+        return chosen, st.load
 
 
 def _as_table(t) -> PlannerTable:
@@ -225,7 +241,9 @@ def _as_table(t) -> PlannerTable:
 
 
 def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
-         allowed: Optional[Mapping[str, Sequence[ShardingType]] | Sequence[ShardingType]] = None) -> ShardingPlan:
+         allowed: Optional[Mapping[str, Sequence[ShardingType]] | Sequence[ShardingType]] = None,
+         enumerator: Optional[Enumerator] = None, estimator: Optional[Estimator] = None,
+         search: Optional[Search] = None) -> ShardingPlan:
     """Plan ``tables`` over ``topology`` for ``batch_size`` samples per rank and step.
 
     Args:
@@ -234,6 +252,8 @@ def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
         batch_size: samples per rank per step.
         optimizer: a :class:`~hiermem.Optimizer` (its state size; default ``SGD``).
         allowed: shardings to consider, for all tables or per table name (default: all).
+        enumerator, estimator, search: replace a stage (defaults: :class:`RuleEnumerator`,
+            :class:`CostEstimator`, :class:`GreedySearch`).
 
     Returns:
         A frozen :class:`ShardingPlan` in the tables' order.
@@ -252,10 +272,7 @@ def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise PlannerError(f"batch_size must be a positive int, got {batch_size!r}", PlannerErrorKind.BAD_INPUT)
     opt = OptimizerCost.of(optimizer if optimizer is not None else SGD())
-    W = topology.world_size
     base = STEP_COLLECTIVES * topology.collective_latency_s + topology.step_overhead_s
-    st = _State(np.full(W, base), np.tile([topology.device_bytes, topology.host_bytes, topology.ssd_bytes], (W, 1))
-                .astype(float))
 
     def allowed_for(name: str) -> Sequence[ShardingType]:
         if allowed is None:
@@ -264,38 +281,17 @@ def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
             return tuple(allowed.get(name, ALL_SHARDINGS))
         return tuple(allowed)
 
-    options = {t.name: enumerate_options(t, topology, batch_size, opt, allowed_for(t.name)) for t in tabs}
+    enum, est = enumerator or RuleEnumerator(), estimator or CostEstimator()
+    options = {t.name: enumerate_options(t, topology, batch_size, opt, allowed_for(t.name), enum, est)
+               for t in tabs}
     for t in tabs:
         if not options[t.name]:
             raise PlannerError(f"table {t.name}: no allowed sharding applies", PlannerErrorKind.BAD_INPUT, t.name)
-
-    def size(t: PlannerTable) -> tuple:
-        tw = [o for o in options[t.name]]
-        return (-min(float(o.cands.seconds[0]) * o.nshards for o in tw), -t.num_rows * t.dim)
-
-    order = sorted(tabs, key=size)
-    least = [min(float(o.cands.seconds[0]) * o.nshards for o in options[t.name]) for t in order]
-    rest = float(np.sum(least))
-    chosen: dict[str, TablePlan] = {}
-    for t, mine in zip(order, least):
-        rest -= mine
-        best = None
-        for o in options[t.name]:
-            got = _place(o, st, topology, max(rest, 0.0))
-            if got is not None and (best is None or _better(got[0], best[0][0])):
-                best = (got, o)
-        if best is None:
-            raise _shortfall(t, options[t.name], st)
-        (score, ranks, idx), o = best
-        tp = _table_plan(t, o, ranks, idx, topology)
-        for s in tp.shards:
-            st.load[s.rank] += s.est_ms / 1e3
-            st.rem[s.rank] -= (s.device_bytes, s.host_bytes, s.ssd_bytes)
-        chosen[t.name] = tp
-    return ShardingPlan(W, topology.ranks_per_host, tuple(chosen[t.name] for t in tabs),
-                        tuple(float(x) * 1e3 for x in st.load),
+    chosen, load = (search or GreedySearch())(tabs, options, topology, base)
+    return ShardingPlan(topology.world_size, topology.ranks_per_host, tuple(chosen[t.name] for t in tabs),
+                        tuple(float(x) * 1e3 for x in load),
                         {"batch_size": batch_size, "optimizer": (optimizer or SGD()).name,
-                         "step_ms": step_ms(st.load * 1e3, topology)})
+                         "step_ms": step_ms(load * 1e3, topology)})
 
 
 def step_ms(rank_ms, topology: Topology) -> float:
@@ -327,5 +323,6 @@ def estimate(p: ShardingPlan, tables: Sequence, topology: Topology, batch_size: 
     return [float(x) * 1e3 for x in load]
 
 
-__all__ = ["ALL_SHARDINGS", "Candidates", "Option", "distinct_rows", "enumerate_options", "estimate", "naive_plan",
-           "plan", "step_ms", "tier_candidates"]
+__all__ = ["ALL_SHARDINGS", "Candidates", "CostEstimator", "Enumerator", "Estimator", "GreedySearch", "Option",
+           "RuleEnumerator", "Search", "distinct_rows", "enumerate_options", "estimate", "naive_plan", "plan",
+           "step_ms", "tier_candidates"]

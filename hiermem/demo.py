@@ -588,7 +588,8 @@ def _report(s: dict, out) -> None:
           f"{s['disk_hits']:,} lookups served by each tier; disk = read back from LMDB)", file=out)
     p = s["prefetch"]
     if p:
-        print(f"prefetch: depth {p['depth']}, {p['prefetched_batches']} batches, {p['prefetched_rows']} rows "
+        print(f"prefetch: depth {p['depth']}, {'background threads' if p['background'] else 'inline'} "
+              f"({p['background_reason']}), {p['prefetched_batches']} batches, {p['prefetched_rows']} rows "
               f"brought up, {p['prefetch_hits']} ids served by prefetched rows, {p['late_batches']} late, "
               f"{p['prefetch_degraded']} degraded, effective depth min {p['min_effective_depth']} "
               f"mean {p['mean_effective_depth']:.2f}, waited {p['wait_seconds']:.2f} s", file=out)

@@ -26,6 +26,7 @@ the background threads, under the store's lock (but for the read-ahead's LMDB re
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -69,16 +70,55 @@ def _per_thread_intra_op() -> bool:
 _PER_THREAD: bool | None = None
 
 
-class _Worker:
-    """One background thread running store jobs in submission order."""
+def free_cores() -> int:
+    """Cores this process may run on beyond the training thread's intra-op threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores - torch.get_num_threads()
 
-    def __init__(self, device: torch.device, name: str = "hiermem-prefetch"):
+
+def choose_background(background: bool | str, device: torch.device) -> tuple[bool, str]:
+    """Whether store jobs run on background threads, and why.
+
+    ``"auto"`` (the default; ``HIERMEM_BACKGROUND=threads|inline`` overrides it): threads
+    when something can overlap them, i.e. the device is a GPU (the host is free while it
+    computes) or a core is free beyond torch's intra-op threads; otherwise the same jobs
+    run inline, in the same order, on the training thread: on a CPU whose cores all run
+    the model's ops, a prefetch thread only takes cores from them (measured in
+    ``scripts/bench_train.py``: prefetch threads at 0.69x of no prefetch on 2 cores)."""
+    if background == "auto":
+        env = os.environ.get("HIERMEM_BACKGROUND", "auto").strip().lower()
+        if env in ("threads", "inline"):
+            return env == "threads", f"HIERMEM_BACKGROUND={env}"
+        if device.type == "cuda":
+            return True, "the device is a GPU: the host's threads overlap its compute"
+        free = free_cores()
+        if free > 0:
+            return True, f"{free} core(s) free beside torch's {torch.get_num_threads()} intra-op threads"
+        return False, (f"no core free beside torch's {torch.get_num_threads()} intra-op threads: "
+                       "prefetch and read-ahead run inline")
+    if isinstance(background, bool):
+        return background, "asked for"
+    raise InvalidArgumentError(f"background must be True, False or 'auto', got {background!r}")
+
+
+class _Worker:
+    """One background thread running store jobs in submission order (``inline``: no
+    thread; each job runs at submission, its error surfaced at the next wait, as the
+    thread's would be)."""
+
+    def __init__(self, device: torch.device, name: str = "hiermem-prefetch", inline: bool = False):
         self._q: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
         self._submitted = 0
         self._done = 0
         self._error: BaseException | None = None
+        self._inline = inline
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if inline:
+            return
         # the store's small ops run single-threaded on this thread: sharing the intra-op
         # pool with the training thread costs it far more than they gain (2x per step on
         # a 2-core host).  With OpenMP the setting is per thread, but torch also keeps it
@@ -93,6 +133,16 @@ class _Worker:
             torch.set_num_threads(n)
 
     def submit(self, fn: Callable[[], None]) -> None:
+        if self._inline:
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        fn()
+                else:
+                    fn()
+            except BaseException as e:  # surfaced at the next wait, like the thread's
+                self._error = e
+            return
         with self._cv:
             self._submitted += 1
         self._q.put(fn)
@@ -134,6 +184,8 @@ class _Worker:
             raise e
 
     def close(self) -> None:
+        if self._inline:
+            return
         self._q.put(None)
         self._thread.join(timeout=60)
 
@@ -201,13 +253,18 @@ class PrefetchPipeline:
         depth: how many batches ahead to prefetch (>= 1).
         features: ``batch -> SparseFeatures`` when the default cannot find them.
         timeout: seconds a step waits for the prefetch thread before ``TimeoutError``.
+        background: run prefetch and read-ahead on background threads (True), inline on
+            the training thread in the same order (False: same placements and counters,
+            no overlap), or decide from the machine (``"auto"``, see
+            :func:`choose_background`; :attr:`background` and :attr:`background_reason`
+            say what was chosen).
 
     Yields the loader's batches unchanged.  Use as a context manager (or call
     :meth:`close`) so pins are released and the thread stops.
     """
 
     def __init__(self, loader: Iterable, module, depth: int = 2, features: Callable[[Any], Any] | None = None,
-                 timeout: float | None = 600.0):
+                 timeout: float | None = 600.0, background: bool | str = "auto"):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise InvalidArgumentError(f"depth must be an int >= 1, got {depth!r}")
         self.module, self.store, self.depth = module, module.store, depth
@@ -224,8 +281,9 @@ class PrefetchPipeline:
         self._index: dict[int, _Handle] = {}  # handles by batch index, while they may be needed
         self._nread = 0
         self._exhausted = False
-        self._worker = _Worker(self.store.device)
-        self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead")
+        self.background, self.background_reason = choose_background(background, self.store.device)
+        self._worker = _Worker(self.store.device, inline=not self.background)
+        self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead", inline=not self.background)
         self._keep = depth + 2 + self._window  # read-ahead batches the disk tier keeps
         self.wait_seconds = 0.0
         self.prefetch_seconds = 0.0  # store.prefetch and release on the prefetch thread (only it adds)
@@ -345,10 +403,11 @@ class PrefetchPipeline:
             self.min_effective_depth = min(self.min_effective_depth, eff)
 
     def stats(self) -> dict:
-        """Pipeline counters: steps, seconds waited for prefetch, seconds of the background
-        threads' store calls (prefetch and release; read-ahead), late batches, effective depth."""
+        """Pipeline counters: steps, whether (and why) prefetch runs on background threads,
+        seconds waited for prefetch, seconds of the background threads' store calls (prefetch and release; read-ahead), late batches, effective depth."""
         st = self.store.stats()["_store"]
-        return {"steps": self.steps, "depth": self.depth, "wait_seconds": self.wait_seconds,
+        return {"steps": self.steps, "depth": self.depth, "background": self.background,
+                "background_reason": self.background_reason, "wait_seconds": self.wait_seconds,
                 "prefetch_seconds": self.prefetch_seconds, "read_ahead_seconds": self.read_ahead_seconds,
                 "late_batches": self.late_batches, "min_effective_depth": self.min_effective_depth,
                 "mean_effective_depth": self._depth_sum / max(1, self.steps),

@@ -10,6 +10,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
+# PrefetchPipeline's default ("auto") runs prefetch inline where no core is free, as on a
+# 2-core CI machine; the suite keeps exercising the background threads (the GPU path's
+# mode) unless a test asks for inline or auto itself (tests/test_modules.py).
+os.environ.setdefault("HIERMEM_BACKGROUND", "threads")
+
 
 #: Long tests, left out by `pytest -m "not slow"` (the full suite and CI still run them):
 #: file -> test names (None: the whole file).  Tests may also carry @pytest.mark.slow.

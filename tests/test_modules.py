@@ -63,7 +63,7 @@ class RowWiseAdagradRef:
 
 
 def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=260, policy="lru", mode="sum",
-           weights=False, device="cpu"):
+           weights=False, device="cpu", background="auto", counters=None):
     """Train the DLRM; returns (losses, final weights per table, pipeline stats)."""
     torch.manual_seed(0)
     plain = PlainEmbeddingBags(_tables(), mode=mode)  # same initial rows for every kind
@@ -74,7 +74,7 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
             RowWiseAdagradRef(plain.parameters(), lr, eps)
     else:
         opt = hm.SGD(lr=lr) if opt_name == "sgd" else hm.RowWiseAdagrad(lr=lr, eps=eps)
-        cfg = hm.StoreConfig(path=tmp_path / f"{kind}-{opt_name}-{depth}-{policy}", device_rows=device_rows,
+        cfg = hm.StoreConfig(path=tmp_path / f"{kind}-{opt_name}-{depth}-{policy}-{background}", device_rows=device_rows,
                              host_rows=host_rows, policy=policy, optimizer=opt, device=device)
         emb = hm.CachedEmbeddingBagCollection.from_embedding_bags(dict(plain.bags.items()), cfg)
         eopt = None
@@ -82,7 +82,7 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
     model = DLRM(emb, T, DIM, bottom=(16,), top=(16,))
     dopt = torch.optim.SGD(model.dense_parameters(), lr=0.05)
     data = _batches(steps, weights=weights)
-    pipe = hm.PrefetchPipeline(data, emb, depth=depth) if depth else None
+    pipe = hm.PrefetchPipeline(data, emb, depth=depth, background=background) if depth else None
     losses = []
     model.to(device if kind != "plain" else "cpu")
     for dense, feats, labels in (pipe if pipe else data):
@@ -104,6 +104,8 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
         emb.store.audit()
         final = {n: emb.store.lookup(n, torch.arange(R)).cpu() for n in emb.names}
         assert int(emb.store._dev.pins.sum()) == 0 and int(emb.store._host.pins.sum()) == 0
+        if counters is not None:
+            counters.append((emb.store.counters.table.clone(), emb.store.counters.io.clone()))
         emb.store.close()
     return losses, final, stats
 
@@ -373,3 +375,45 @@ def test_adam_through_the_module_equals_sparse_adam_with_empty_tables(tmp_path):
     for k in bags:
         torch.testing.assert_close(m.store.lookup(k, torch.arange(40)), ref[k].weight.detach(), rtol=1e-5, atol=1e-6)
     m.store.close()
+
+
+def test_inline_prefetch_equals_background_threads(tmp_path):
+    """Prefetch and read-ahead inline on the training thread (the default where no core is
+    free) make the same store calls in the same order as the threads: same losses, rows
+    and counters, exactly."""
+    runs = {}
+    for bg in (True, False):
+        got = []
+        losses, final, stats = _train("hm", "rowwise_adagrad", 40, tmp_path, depth=2, device_rows=240,
+                                      host_rows=12, background=bg, counters=got)
+        runs[bg] = (losses, final, stats, got[0])
+    (l1, f1, s1, c1), (l0, f0, s0, c0) = runs[True], runs[False]
+    assert l1 == l0
+    for n in f1:
+        assert torch.equal(f1[n], f0[n])
+    assert torch.equal(c1[0], c0[0])
+    from hiermem.stats import IO
+    timing = [IO.LATE_PREFETCHES]  # rows whose prefetch was still running at their lookup: threads only
+    keep = torch.ones(len(IO), dtype=torch.bool)
+    keep[timing] = False
+    assert torch.equal(c1[1][keep], c0[1][keep]) and int(c0[1][IO.LATE_PREFETCHES]) == 0
+    assert s0["prefetched_batches"] == s1["prefetched_batches"] > 0 and s0["late_batches"] == 0
+
+
+def test_background_auto_decides_from_the_machine(monkeypatch):
+    from hiermem import pipeline as pl
+
+    monkeypatch.setenv("HIERMEM_BACKGROUND", "auto")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(pl, "free_cores", lambda: 0)
+    on, why = pl.choose_background("auto", cpu)
+    assert not on and "inline" in why
+    assert pl.choose_background("auto", gpu)[0]  # a GPU computes while the host's threads work
+    monkeypatch.setattr(pl, "free_cores", lambda: 2)
+    assert pl.choose_background("auto", cpu) == (True, "2 core(s) free beside torch's "
+                                                 f"{torch.get_num_threads()} intra-op threads")
+    assert pl.choose_background(False, cpu)[0] is False and pl.choose_background(True, cpu)[0] is True
+    monkeypatch.setenv("HIERMEM_BACKGROUND", "inline")
+    assert pl.choose_background("auto", cpu)[0] is False
+    with pytest.raises(hm.InvalidArgumentError, match="background"):
+        pl.choose_background("sometimes", cpu)

@@ -32,7 +32,10 @@ Time split (ms/step): ``dense`` = step - the training thread's store calls - ``w
 tier's timers (any thread); ``copies``: bytes moved device<->host over the gather/scatter
 rate measured here (an estimate); ``placement``: store calls (any thread) - copies - the
 LMDB time inside them; ``bg``: the prefetch and read-ahead threads' store time.  With
-prefetch the parts overlap and do not add up to the step.  The PROJECTION (never mixed
+prefetch the parts overlap and do not add up to the step.  Prefetch runs as the library
+decides by default (``PrefetchPipeline(background="auto")``: inline where no core is free
+beside torch's threads, as on 2 cores; ``HIERMEM_BACKGROUND=threads`` forces threads);
+each configuration reports ``prefetch_background``.  The PROJECTION (never mixed
 with measurements) feeds hiermem.sim.cost with this run's LMDB cost per row and a GPU
 host's published bandwidths.
 
@@ -235,7 +238,7 @@ def device_counts(store) -> tuple[int, int]:
 
 
 def figures(a: dict, b: dict, steps: int, batch: int, wb: bool, rate: float, seconds: float,
-            settled: float) -> dict:
+            settled: float, inline: bool = False) -> dict:
     """Per-step figures between snapshots ``a`` and ``b``: ``seconds`` of timed steps, of
     which ``settled`` waited at block ends for background work."""
     tab, io = b["table"] - a["table"], b["io"] - a["io"]
@@ -247,7 +250,8 @@ def figures(a: dict, b: dict, steps: int, batch: int, wb: bool, rate: float, sec
     copies = int(io[IO.BYTES_HOST_TO_DEVICE] + io[IO.BYTES_DEVICE_TO_HOST]) / rate
     write_in_store = 0.0 if wb else d["write"]
     place = max(0.0, d["fg"] + d["pf"] - copies - max(0.0, d["read"] - d["ra"]) - write_in_store)
-    ms = {"step": d["t"], "dense": max(0.0, d["t"] - d["fg"] - d["wait"]), "placement": place, "copies": copies,
+    on_thread = d["pf"] + d["ra"] if inline else 0.0  # inline prefetch runs on the training thread
+    ms = {"step": d["t"], "dense": max(0.0, d["t"] - d["fg"] - d["wait"] - on_thread), "placement": place, "copies": copies,
           "lmdb_read": d["read"], "lmdb_write": d["write"], "wait": d["wait"], "bg": d["pf"] + d["ra"]}
     return {"samples_per_s": steps * batch / d["t"], "hit_rates": hit,
             "rows_per_step": {k: round(v / steps, 1) for k, v in rows.items()},
@@ -297,13 +301,14 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
     t_pipe = time.perf_counter()
     pipe = hm.PrefetchPipeline(iter(batches), tr.model.embeddings, depth=depth) if depth else None
     it = pipe if pipe is not None else iter(batches)
+    background = pipe.background if pipe is not None else None
     try:
         n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap, fill_host=not preload)
         if not cold:
             settle(store, pipe)
             s0 = snapshot(store, pipe)
         hs, bs, ws, med = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n, a.steps, t_pipe if cold else None)
-        res = figures(s0, snapshot(store, pipe), a.steps, a.batch, wb, ctx["rate"], hs, ws)
+        res = figures(s0, snapshot(store, pipe), a.steps, a.batch, wb, ctx["rate"], hs, ws, background is False)
     finally:
         if pipe is not None:
             pipe.close()
@@ -311,7 +316,8 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
         shutil.rmtree(path, ignore_errors=True)
     base = a.steps * a.batch / bs
     res.update(baseline_samples_per_s=base, over_baseline=med, over_baseline_sums=res["samples_per_s"] / base,
-               warmup_steps=n, settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb)
+               warmup_steps=n, settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb,
+               prefetch_background=background)
     print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
           f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
     return res

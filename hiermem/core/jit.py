@@ -74,6 +74,16 @@ def tiny(fn):
     return numba.njit(cache=True, nogil=True, inline="always")(fn)
 
 
+def leaf(fn):
+    """A :func:`helper` that allocates nothing, nor does anything it calls: compiled
+    without numba's reference counting (``_nrt=False``).  With it, a call increments and
+    decrements the count of every array it passes; without it the per-access replay ran
+    1.3x faster (1.38 -> 1.82M accesses/s LRU, same counters; ``commit_`` and its helpers
+    as leaves).  numba compiles a callee under its caller's flags, so a leaf must never
+    call a function that allocates (``np.empty``, ``np.argsort``...): it fails to compile."""
+    return numba.njit(cache=True, nogil=True, _nrt=False)(fn)
+
+
 def helper(fn):
     """A helper the kernels call (compiled with them; LLVM inlines the small ones).
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find, insert1, remove1
-from .jit import helper, kernel, tiny
+from .jit import helper, kernel, leaf, tiny
 from .policy import LFU_DECAY, touch
 from .victims import drop, set_key, victims_
 
@@ -205,7 +205,7 @@ def _free(kt, dirty, pins, free, tm, s):
 # The helpers below work on a whole list of slots per call: a call passes each array
 # separately (tens of ns apiece), so per-row calls would cost more than the rows' work.
 
-@helper
+@leaf
 def _touch_many(key, score, uses, params, rm, hk, hs, slots, pos, n, clock, counts, insert):
     """:func:`touch` slots ``slots[j]`` with the clock and count of batch row ``pos[j]``."""
     for j in range(n):
@@ -213,7 +213,7 @@ def _touch_many(key, score, uses, params, rm, hk, hs, slots, pos, n, clock, coun
         touch(key, score, uses, params, rm, hk, hs, slots[j], clock[i], counts[i], insert)
 
 
-@helper
+@leaf
 def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, counters, tcode):
     """Drop the rows in ``slots[:n]`` (to disk) from the tier and the index."""
     for j in range(n):
@@ -226,7 +226,7 @@ def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, co
         _free(kt, dirty, pins, free, tm, s)
 
 
-@helper
+@leaf
 def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slots, n, ws, wsf, j0):
     """Save the rows of ``slots[:n]`` (keys, dirty bit, pins, policy state, index entry) in
     workspace columns ``j0..``, and empty their slots (:func:`_free`, written out: this
@@ -260,7 +260,7 @@ def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slot
     tm[NPINNED] -= unpinned
 
 
-@helper
+@leaf
 def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, extra, rm, hk, hs,
                   n, dst, ws, wsf, j0):
     """Put the rows saved in columns ``j0..j0+n`` into the next ``n`` free slots (written to
@@ -301,7 +301,7 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
     tm[NPINNED] += pinned
 
 
-@helper
+@leaf
 def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, params, rm, hk, hs,
               pos, n, bt, bk, clock, counts, slot, new_dst, jd):
     """Rows ``pos[:n]`` of the batch enter the tier (from disk or the initialiser) in the
@@ -321,7 +321,7 @@ def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, k
         new_dst[jd + j] = tm[BASE] + d
 
 
-@helper
+@leaf
 def _account(bt, counts, g, mi, m, D, ws, res, counters):
     """Lookups, hits and misses per table and tier of an accounted placement."""
     j = np.int64(0)
@@ -344,7 +344,7 @@ def _account(bt, counts, g, mi, m, D, ws, res, counters):
         counters[t, _DISK, _HITS if found[j] else _MISSES] += 1
 
 
-@helper
+@leaf
 def commit_(meta, offsets, slot_of, rev, tab,
             dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
             dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,

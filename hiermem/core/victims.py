@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import helper, kernel, tiny
+from .jit import helper, kernel, leaf, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
@@ -53,7 +53,7 @@ def _less(k1, s1, k2, s2):
     return k1 < k2 or (k1 == k2 and s1 < s2)
 
 
-@helper
+@leaf
 def _push(hk, hs, n, k, s):
     i = n
     while i > 0:
@@ -68,7 +68,7 @@ def _push(hk, hs, n, k, s):
     hs[i] = s
 
 
-@helper
+@leaf
 def _pop(hk, hs, n):
     """Remove the top of a heap of ``n`` entries (``n >= 1``)."""
     n -= 1
@@ -111,7 +111,7 @@ def _median3(a, b, c):
     return a if a < c else (c if b < c else b)
 
 
-@helper
+@leaf
 def _select(a, n, k):
     """The ``k``-th smallest of ``a[:n]`` (0-based), permuting ``a`` in place: a
     quickselect (Hoare partition, median of three), O(n) expected.  Written out instead
@@ -199,7 +199,7 @@ def scan_(key, rm, keys_t, pins, mark, n, out):
     return got
 
 
-@helper
+@leaf
 def _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out):
     """Victims from the reservoir, merged from the run and the heap; the number found."""
     found = np.int64(0)

@@ -107,6 +107,7 @@ class BatchedOps:
         self._linear = None
         if all(n is not None for n in sizes) and sum(sizes) < 2**62:
             self._linear = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64, device=d)
+            self._linear_np = np.cumsum([0] + sizes[:-1]).astype(np.int64)
         self._multi_memo: _BagMemo | None = None
         self._live_tickets: list[Ticket] = []  # pinned, not yet released
         self._soon: tuple[torch.Tensor, torch.Tensor] | None = None  # rows of the next batches (lookahead)
@@ -169,7 +170,9 @@ class BatchedOps:
         from .store import Batch, dedup, runs
 
         n = k.numel()
-        if self._linear is not None:
+        if self._linear is not None and k.device.type == "cpu":  # one compiled radix sort
+            perm, starts, inverse, counts, lastpos, uk, ut = sorted_runs(k, t, self._linear_np)
+        elif self._linear is not None:
             u, inverse, counts, lastpos, perm, starts = dedup(self._linear.index_select(0, t) + k)
             ut = torch.searchsorted(self._linear, u, right=True) - 1
             uk = u - self._linear.index_select(0, ut)

@@ -211,18 +211,24 @@ def test_nonfinite_gradient_changes_nothing(tmp_path):
 
 
 def test_threads_follow_torch(tmp_path):
-    """The kernels run on as many threads as torch's intra-op pool."""
+    """The kernels run on as many threads as torch's intra-op pool, or on one for small work."""
     import numba
 
-    store = _one_store(tmp_path)
+    from hiermem.dataplane.planes import PARALLEL_WORK
+
+    store = hm.HierarchicalStore([hm.TableSpec("t", 5000, 64)], hm.StoreConfig(path=tmp_path / "s", device_rows=5000,
+                                                                               host_rows=4))
     n = torch.get_num_threads()
+    big = torch.arange(PARALLEL_WORK // 64 + 1) % 5000
     try:
         torch.set_num_threads(1)
-        store.lookup_pooled("t", torch.tensor([1, 2]), torch.tensor([0]))
+        store.lookup_pooled("t", big, torch.tensor([0]))
         assert numba.get_num_threads() == 1
         torch.set_num_threads(n)
-        store.lookup_pooled("t", torch.tensor([1, 2]), torch.tensor([0]))
+        store.lookup_pooled("t", big, torch.tensor([0]))
         assert numba.get_num_threads() == min(n, numba.config.NUMBA_NUM_THREADS)
+        store.lookup_pooled("t", torch.tensor([1, 2]), torch.tensor([0]))
+        assert numba.get_num_threads() == 1
     finally:
         torch.set_num_threads(n)
         store.close()
@@ -281,6 +287,28 @@ def test_compiled_dedup_equals_stable_sort(vals, ntables, hi, lex):
     assert torch.equal(got[5], x[want[0][want[1]]])
     if lex:
         assert torch.equal(got[6], t[want[0][want[1]]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9)), max_size=50))
+def test_compiled_dedup_over_linearised_tables(pairs):
+    """Tables laid end to end (sizes 10, 10, 10): sorted by ``off[t] + k``, reported as (t, k)."""
+    t = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    k = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    off = np.array([0, 10, 20], dtype=np.int64)
+    got = sorted_runs(k, t, off)
+    want = _torch_runs(t * 10 + k)
+    for g, w in zip(got[:5], want):
+        assert torch.equal(g, w)
+    first = want[0][want[1]]
+    assert torch.equal(got[5], k[first]) and torch.equal(got[6], t[first])
+
+
+def test_table_of_every_id():
+    from hiermem.dataplane.batch import repeat
+
+    lengths = np.array([2, 0, 1, 3, 0, 0], dtype=np.int64)  # 3 keys x 2 samples
+    assert repeat(np.array([5, 7, 9], dtype=np.int64), lengths, 2).tolist() == [5, 5, 7, 7, 7, 7]
 
 
 def test_compiled_dedup_large():

@@ -36,25 +36,34 @@ def _passes(span):
 
 
 @numba.njit(cache=True, nogil=True)
-def sort_runs(x, t):
-    """Stable sort of int64 keys ``x [n]`` (by ``(t, x)`` when ``t`` int64 ``[n]`` is not
-    empty, lexicographic) and its runs of equal keys.
+def sort_runs(x, t, off):
+    """Stable sort of int64 keys and its runs of equal keys.
+
+    The key of position ``i`` is ``x[i]`` (``t`` empty), the pair ``(t[i], x[i])``
+    (``t`` int64 ``[n]``, ``off`` empty: lexicographic), or ``off[t[i]] + x[i]`` (``off``
+    int64 ``[T]``: tables laid end to end in one id space).
 
     Returns ``(perm, starts, inverse, counts, lastpos, ux, ut)``, int64: ``perm [n]``
     input positions in sorted order (stable), and per run (distinct key, in sorted
     order) ``starts`` in ``perm``, ``counts``, ``lastpos`` (its last input position),
-    its key ``ux`` and table ``ut`` (empty when ``t`` is); ``inverse [n]`` each
+    its ``ux`` (``x``) and ``ut`` (``t``; empty when ``t`` is); ``inverse [n]`` each
     position's run.
     """
     n = x.size
-    lex = t.size > 0
+    lex = t.size > 0 and off.size == 0
     perm = np.arange(n)
     key = np.empty(n, dtype=np.uint64)
     if n:
-        lo, hi = x.min(), x.max()
+        if off.size:
+            for i in range(n):
+                key[i] = np.uint64(off[t[i]] + x[i])
+        else:
+            for i in range(n):
+                key[i] = np.uint64(x[i])
+        lo, hi = key.min(), key.max()
         for i in range(n):
-            key[i] = np.uint64(x[i] - lo)
-        key, perm = _radix(key, perm, _passes(np.uint64(hi - lo)))
+            key[i] -= lo
+        key, perm = _radix(key, perm, _passes(hi - lo))
         if lex:  # then by table, stably
             tlo, thi = t.min(), t.max()
             tk = np.empty(n, dtype=np.uint64)
@@ -62,13 +71,13 @@ def sort_runs(x, t):
                 tk[i] = np.uint64(t[perm[i]] - tlo)
             tk, perm = _radix(tk, perm, _passes(np.uint64(thi - tlo)))
             for i in range(n):
-                key[i] = np.uint64(x[perm[i]] - lo)
-    # runs of equal keys: sorted x in key (with t: equal t too)
+                key[i] = np.uint64(x[perm[i]])
+    # runs of equal keys: the sorted keys in key (lexicographic: equal t too)
     starts = np.empty(n, dtype=np.int64)
     counts = np.empty(n, dtype=np.int64)
     lastpos = np.empty(n, dtype=np.int64)
     ux = np.empty(n, dtype=np.int64)
-    ut = np.empty(n if lex else 0, dtype=np.int64)
+    ut = np.empty(n if t.size else 0, dtype=np.int64)
     inverse = np.empty(n, dtype=np.int64)
     r = -1
     for i in range(n):
@@ -78,7 +87,7 @@ def sort_runs(x, t):
             starts[r] = i
             counts[r] = 0
             ux[r] = x[j]
-            if lex:
+            if t.size:
                 ut[r] = t[j]
         counts[r] += 1
         lastpos[r] = j  # in a stable sort the last of a run is the key's last occurrence
@@ -125,11 +134,31 @@ def _radix(key, perm, passes):
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def sorted_runs(x: torch.Tensor, t: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def sorted_runs(x: torch.Tensor, t: torch.Tensor | None = None,
+                off: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`sort_runs` of CPU int64 tensors, as tensors sharing its arrays."""
     xn = x.contiguous().numpy()
     tn = _NONE if t is None else t.contiguous().numpy()
-    return tuple(torch.from_numpy(a) for a in sort_runs(xn, tn))
+    return tuple(torch.from_numpy(a) for a in sort_runs(xn, tn, _NONE if off is None else off))
+
+
+@numba.njit(cache=True, nogil=True)
+def repeat(values, lengths, per):
+    """``values[i]`` repeated ``sum(lengths[i*per:(i+1)*per])`` times, in order: int64
+    ``values [K]``, ``lengths [K*per]`` (e.g. the table of every id of a keyed batch)."""
+    n = 0
+    for j in range(lengths.size):
+        n += lengths[j]
+    out = np.empty(n, dtype=np.int64)
+    q = 0
+    for i in range(values.size):
+        m = 0
+        for j in range(i * per, (i + 1) * per):
+            m += lengths[j]
+        for j in range(q, q + m):
+            out[j] = values[i]
+        q += m
+    return out
 
 
 @numba.njit(cache=True, nogil=True)

@@ -134,11 +134,19 @@ def _np(x: torch.Tensor | None, empty: np.ndarray) -> np.ndarray:
     return empty if x is None else x.detach().contiguous().numpy()
 
 
-def _threads() -> None:
-    """numba's thread count (per calling thread) = torch's."""
-    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+#: Below this many floats of work a kernel runs on the calling thread alone (as torch's
+#: ``parallel_for`` below its grain size): waking a pool costs more than it saves, and on a
+#: loaded host a parallel region waits for its slowest thread's next time slice.
+PARALLEL_WORK = 1 << 18
+
+
+def _threads(work: int) -> int:
+    """Set numba's thread count (per calling thread) for ``work`` floats: torch's intra-op
+    count, or 1 for small work; returns it."""
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) if work >= PARALLEL_WORK else 1
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
+    return n
 
 
 def _sgd(o, steps):
@@ -180,7 +188,7 @@ class CompiledPlane(DataPlane):
             return self._torch.pool(store, p, inverse, offsets, n, cols, mode, psw)
         out = torch.empty((offsets.numel(), cols), dtype=torch.float32)
         dev, host = store._dev, store._host
-        _threads()
+        _threads(n * cols)
         K.pool(dev.data.numpy(), host.data.numpy(), dev.capacity, self._gslots(store, p), _np(inverse, _NO_I64),
                _np(offsets, _NO_I64), n, _np(psw, _NO_F32), mode == "mean", out.numpy())
         return out
@@ -191,11 +199,10 @@ class CompiledPlane(DataPlane):
             return self._torch.check(rg, what)
         grad = rg.grad
         rows = grad.shape[0]
-        _threads()
-        ok, gmax = K.max_abs(grad.numpy(), rows, grad.shape[1], numba.get_num_threads())
+        ok, gmax = K.max_abs(grad.numpy(), rows, grad.shape[1], _threads(grad.numel()))
         smax = 1.0
         if rg.scale is not None and rg.scale.numel():
-            sok, smax = K.max_abs(rg.scale.view(-1, 1).numpy(), rg.scale.numel(), 1, numba.get_num_threads())
+            sok, smax = K.max_abs(rg.scale.view(-1, 1).numpy(), rg.scale.numel(), 1, _threads(rg.scale.numel()))
             ok = ok and sok
         # every partial sum of a row is at most (its count) x gmax x smax (x (1 + 2**-23)
         # per add): far from float32's max, no sum can overflow.  Otherwise (NaN/inf
@@ -212,7 +219,7 @@ class CompiledPlane(DataPlane):
         hp, coef = params(store.optimizer, store._steps)
         b, dev, host = rg.b, store._dev, store._host
         dims = store._dims_np
-        _threads()
+        _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
         kernel(dev.data.numpy(), host.data.numpy(), dev.capacity, dev.state[2], host.state[2],
                self._gslots(store, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), _np(b.starts, _NO_I64),
                _np(b.counts, _NO_I64), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32), _np(rg.scale, _NO_F32),

@@ -202,7 +202,7 @@ class CompiledPlane(DataPlane):
         ok, gmax = K.max_abs(grad.numpy(), rows, grad.shape[1], _threads(grad.numel()))
         smax = 1.0
         if rg.scale is not None and rg.scale.numel():
-            sok, smax = K.max_abs(rg.scale.view(-1, 1).numpy(), rg.scale.numel(), 1, _threads(rg.scale.numel()))
+            sok, smax = K.max_abs(_np(rg.scale, _NO_F32).reshape(-1, 1), rg.scale.numel(), 1, _threads(rg.scale.numel()))
             ok = ok and sok
         # every partial sum of a row is at most (its count) x gmax x smax (x (1 + 2**-23)
         # per add): far from float32's max, no sum can overflow.  Otherwise (NaN/inf

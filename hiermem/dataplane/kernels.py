@@ -7,8 +7,8 @@ No ``[n, dim]`` (per id) nor ``[U, dim]`` (per distinct row) intermediate is for
 the lookup pools each bag into its output row, and the backward sums each distinct
 row's gradient in a ``dim``-float buffer and applies the optimizer to the record in
 place.  ``numba.njit(parallel=True, cache=True, nogil=True)``: the pooled lookup runs
-in parallel over bags, the backward over distinct rows (each row is written by one
-thread only: no atomics, no races); the caller sets numba's thread count to torch's.
+in parallel over bags, the backward over tasks of distinct rows (each row is written by
+one thread only: no atomics, no races); the caller sets numba's thread count.
 
 Summation order (the torch reference path, :class:`~hiermem.dataplane.TorchPlane`,
 adds in the same order): a bag's rows in input order; a distinct row's gradient over
@@ -26,6 +26,9 @@ Argument conventions (shared by the optimizer kernels):
   ``[weights (dim) | state]``);
 * ``perm``: int64 ``[n]`` input positions in distinct-row order (stable); ``starts``,
   ``counts``: int64 ``[U]`` each distinct row's run in ``perm``;
+* ``bounds``: int64 ``[tasks + 1]`` the distinct rows of each parallel task,
+  ``bounds[i]:bounds[i+1]`` (tasks of about equal numbers of ids, not of rows: a hot
+  row's many ids weigh as they cost);
 * ``src``: int64 ``[n]`` the gradient row of each input position (its bag), or empty:
   position ``j`` reads ``grad[j]``; ``grad``: float32 ``[rows, >= max dim]``;
 * ``scale``: float32 ``[n]`` per-position factor (per-sample weight, ``1/len`` for mean),
@@ -38,9 +41,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import prange
-
-CHUNK = 32  # distinct rows per task of the backward (one gradient buffer each)
-
 
 def parallel(fn):
     """A data-plane kernel: parallel, cached on disk, releasing the GIL."""
@@ -121,14 +121,13 @@ def record(dev, host, cap, dev_dirty, host_dirty, g):
 
 
 @parallel
-def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, src, grad, scale, coef,
-        lr):
+def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
+        coef, lr):
     """SGD in place: ``w -= lr * g`` (see the module docstring for the arguments)."""
-    U = gslot.size
     nlr = np.float32(-lr)
-    for ch in prange((U + CHUNK - 1) // CHUNK):
+    for task in prange(bounds.size - 1):
         acc = np.empty(grad.shape[1], dtype=np.float32)
-        for u in range(ch * CHUNK, min(U, (ch + 1) * CHUNK)):
+        for u in range(bounds[task], bounds[task + 1]):
             dim = dims[t[u]]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
             rec = record(dev, host, cap, dev_dirty, host_dirty, gslot[u])
@@ -137,15 +136,14 @@ def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, cou
 
 
 @parallel
-def adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, src, grad, scale, coef,
-            lr, eps):
+def adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
+            coef, lr, eps):
     """Adagrad in place: ``acc += g*g; w -= lr * g / (sqrt(acc) + eps)`` element-wise,
     ``acc`` at ``rec[dim:2*dim]``."""
-    U = gslot.size
     nlr, e = np.float32(-lr), np.float32(eps)
-    for ch in prange((U + CHUNK - 1) // CHUNK):
+    for task in prange(bounds.size - 1):
         acc = np.empty(grad.shape[1], dtype=np.float32)
-        for u in range(ch * CHUNK, min(U, (ch + 1) * CHUNK)):
+        for u in range(bounds[task], bounds[task + 1]):
             dim = dims[t[u]]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
             rec = record(dev, host, cap, dev_dirty, host_dirty, gslot[u])
@@ -157,15 +155,14 @@ def adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts,
 
 
 @parallel
-def rowwise_adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, src, grad, scale,
-                    coef, lr, eps):
+def rowwise_adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad,
+                    scale, coef, lr, eps):
     """Row-wise Adagrad in place: ``acc += mean(g*g); w -= lr * g / (sqrt(acc) + eps)``,
     ``acc`` at ``rec[dim]``."""
-    U = gslot.size
     nlr, e = np.float32(-lr), np.float32(eps)
-    for ch in prange((U + CHUNK - 1) // CHUNK):
+    for task in prange(bounds.size - 1):
         acc = np.empty(grad.shape[1], dtype=np.float32)
-        for u in range(ch * CHUNK, min(U, (ch + 1) * CHUNK)):
+        for u in range(bounds[task], bounds[task + 1]):
             dim = dims[t[u]]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
             rec = record(dev, host, cap, dev_dirty, host_dirty, gslot[u])
@@ -180,17 +177,16 @@ def rowwise_adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm,
 
 
 @parallel
-def adam(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, src, grad, scale, coef,
-         beta1, beta2, eps):
+def adam(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
+         coef, beta1, beta2, eps):
     """Adam in place (``torch.optim.SparseAdam`` on the touched rows): ``m += (g - m)(1 - b1);
     v += (g*g - v)(1 - b2); w -= coef[t] * m / (sqrt(v) + eps)``, ``m`` at
     ``rec[dim:2*dim]``, ``v`` at ``rec[2*dim:3*dim]``; ``coef``: each table's
     ``lr * sqrt(1 - b2**step) / (1 - b1**step)``."""
-    U = gslot.size
     o1, o2, e = np.float32(1.0 - beta1), np.float32(1.0 - beta2), np.float32(eps)
-    for ch in prange((U + CHUNK - 1) // CHUNK):
+    for task in prange(bounds.size - 1):
         acc = np.empty(grad.shape[1], dtype=np.float32)
-        for u in range(ch * CHUNK, min(U, (ch + 1) * CHUNK)):
+        for u in range(bounds[task], bounds[task + 1]):
             ti = t[u]
             dim = dims[ti]
             ns = -coef[ti]

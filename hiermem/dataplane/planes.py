@@ -149,6 +149,14 @@ def _threads(work: int) -> int:
     return n
 
 
+def _tasks(starts: np.ndarray, n: int, threads: int) -> np.ndarray:
+    """Bounds of the backward's parallel tasks over distinct rows (``starts``: where each
+    row's ids start in the sorted order, of ``n``): 8 per thread, of about equal numbers of
+    ids, so a thread with a hot row (thousands of ids) gets fewer rows besides."""
+    tasks = 1 if threads == 1 else min(max(1, starts.size), 8 * threads)
+    return np.searchsorted(starts, np.linspace(0, n, tasks + 1).astype(np.int64)).astype(np.int64)
+
+
 def _sgd(o, steps):
     return (o.lr,), None
 
@@ -218,12 +226,12 @@ class CompiledPlane(DataPlane):
         kernel, params = fused
         hp, coef = params(store.optimizer, store._steps)
         b, dev, host = rg.b, store._dev, store._host
-        dims = store._dims_np
-        _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
+        dims, starts = store._dims_np, _np(b.starts, _NO_I64)
+        nt = _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
         kernel(dev.data.numpy(), host.data.numpy(), dev.capacity, dev.state[2], host.state[2],
-               self._gslots(store, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), _np(b.starts, _NO_I64),
-               _np(b.counts, _NO_I64), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32), _np(rg.scale, _NO_F32),
-               _NO_F32 if coef is None else coef, *hp)
+               self._gslots(store, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts,
+               _np(b.counts, _NO_I64), _tasks(starts, b.n, nt), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32),
+               _np(rg.scale, _NO_F32), _NO_F32 if coef is None else coef, *hp)
 
 
 PLANES: dict[str, type[DataPlane]] = {c.name: c for c in (TorchPlane, CompiledPlane)}

@@ -23,6 +23,7 @@ Planes keep no state of their own between calls; the store's lock serialises the
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar
@@ -65,26 +66,26 @@ def _refuse(what: str) -> None:
     raise NonFiniteGradientError(f"{what} contain NaN or inf (or their per-row sums overflow); nothing changed")
 
 
-class DataPlane:
+class DataPlane(ABC):
     """The data plane of a store (see the module docstring)."""
 
     name: ClassVar[str]
 
+    @abstractmethod
     def pool(self, store, p, inverse: torch.Tensor, offsets: torch.Tensor, n: int, cols: int, mode: str,
              psw: torch.Tensor | None) -> torch.Tensor:
         """Pooled rows ``[len(offsets), cols]`` of bags of positions whose distinct row is
         ``inverse [n]``, placed at ``p``; ``psw``: per-sample weights (sum mode)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def check(self, rg: RowGrads, what: str) -> None:
         """Raise :class:`NonFiniteGradientError` (nothing changed) when a row's gradient
         is not finite."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply(self, store, rg: RowGrads, p, present: list[int]) -> None:
         """One optimizer step of every distinct row of ``rg.b`` (placed at ``p``) with its
         gradient, in place; ``present``: the batch's tables (their steps already counted)."""
-        raise NotImplementedError
 
 
 class TorchPlane(DataPlane):

@@ -17,14 +17,15 @@ prefetch hits, no second residency accounting); ``release`` unpins after its upd
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError, NonFiniteGradientError
+from .dataplane import RowGrads
+from .dataplane.batch import bag_of, first_bad
+from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError
 from .stats import IO, timed
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -106,6 +107,7 @@ class BatchedOps:
         self._linear = None
         if all(n is not None for n in sizes) and sum(sizes) < 2**62:
             self._linear = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64, device=d)
+            self._linear_np = np.cumsum([0] + sizes[:-1]).astype(np.int64)
         self._multi_memo: _BagMemo | None = None
         self._live_tickets: list[Ticket] = []  # pinned, not yet released
         self._soon: tuple[torch.Tensor, torch.Tensor] | None = None  # rows of the next batches (lookahead)
@@ -142,7 +144,16 @@ class BatchedOps:
             raise InvalidArgumentError(f"tables ({tables.numel()}) and ids ({ids.numel()}) differ in length")
         t = tables.to(self.device, torch.int64)
         k = ids.to(self.device, torch.int64)
-        if k.numel():
+        if k.numel() and k.device.type == "cpu":  # one compiled pass
+            j, what = first_bad(t.contiguous().numpy(), k.contiguous().numpy(), len(self.tables),
+                                self._max_ids.numpy())
+            if what == 0:
+                raise InvalidArgumentError(f"table indices must be in [0, {len(self.tables)})")
+            if what == 1:
+                spec = self.tables[int(t[j])]
+                rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
+                raise InvalidIdError(f"table {spec.name}: id {int(k[j])} outside {rng}")
+        elif k.numel():
             if int(t.min()) < 0 or int(t.max()) >= len(self.tables):
                 raise InvalidArgumentError(f"table indices must be in [0, {len(self.tables)})")
             bad = (k < 0) | (k > self._max_ids.index_select(0, t))
@@ -155,13 +166,18 @@ class BatchedOps:
 
     def _batch_multi(self, t: torch.Tensor, k: torch.Tensor):
         """Deduplicate ids of several tables at once (a :class:`~hiermem.store.Batch`)."""
+        from .dataplane.batch import sorted_runs
         from .store import Batch, dedup, runs
 
         n = k.numel()
-        if self._linear is not None:
+        if self._linear is not None and k.device.type == "cpu":  # one compiled radix sort
+            perm, starts, inverse, counts, lastpos, uk, ut = sorted_runs(k, t, self._linear_np)
+        elif self._linear is not None:
             u, inverse, counts, lastpos, perm, starts = dedup(self._linear.index_select(0, t) + k)
             ut = torch.searchsorted(self._linear, u, right=True) - 1
             uk = u - self._linear.index_select(0, ut)
+        elif k.device.type == "cpu":  # lexicographic (table, id) order: one compiled radix sort
+            perm, starts, inverse, counts, lastpos, uk, ut = sorted_runs(k, t)
         else:  # lexicographic (table, id) order from two stable sorts
             o1 = torch.argsort(k, stable=True)
             perm = o1.index_select(0, torch.argsort(t.index_select(0, o1), stable=True))
@@ -388,8 +404,12 @@ class BatchedOps:
         """Bag of each id, and the per-id scale (per-sample weight, 1/len for mean)."""
         if mode not in ("sum", "mean"):
             raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
-        lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
-        bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=self.device), lengths)
+        lengths = None
+        if offsets.device.type == "cpu":  # one compiled pass
+            bag = torch.from_numpy(bag_of(offsets.contiguous().numpy(), n))
+        else:
+            lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
+            bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=self.device), lengths)
         scale = None
         if psw is not None:
             if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):
@@ -398,6 +418,8 @@ class BatchedOps:
                 raise InvalidArgumentError("per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
             scale = psw.detach().to(self.device, torch.float32)
         elif mode == "mean":
+            if lengths is None:
+                lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
             scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
         return bag, scale
 
@@ -422,15 +444,8 @@ class BatchedOps:
             b = self._batch(ti, ids)
             p = self._place(b, account=True)
             self._memo = (ids, ids._version, b, p, self._epoch, ti)
-            if p.on_device is None:
-                src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
-                idx = p.slot.index_select(0, b.inverse)
-                if not src.is_contiguous():  # embedding_bag would copy the whole tier: gather the rows first
-                    src, idx = src.index_select(0, idx), torch.arange(idx.numel(), device=self.device)
-                return F.embedding_bag(idx, src, offsets, mode=mode,
-                                       per_sample_weights=None if per_sample_weights is None else scale)
-            return F.embedding_bag(b.inverse, self._gather(p, dim), offsets, mode=mode,
-                                   per_sample_weights=None if per_sample_weights is None else scale)
+            return self.plane.pool(self, p, b.inverse, offsets, ids.numel(), dim, mode,
+                                   None if per_sample_weights is None else scale)
 
     @timed("update_seconds")
     def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
@@ -445,14 +460,12 @@ class BatchedOps:
             self._check_open()
             ti = self.table_index(table)
             ids_in = ids
-            ids = self._ids(ti, ids)
+            # the lookup's unchanged ids were validated by it
+            ids = ids if self._memo_for(ti, ids) is not None else self._ids(ti, ids)
             offsets = self._offsets(ids.numel(), offsets)
             bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
             grad_output = self._values(ti, offsets.numel(), grad_output, "grad_output", check_finite=False)
-            grads = grad_output.index_select(0, bag)
-            if scale is not None:
-                grads.mul_(scale.unsqueeze(1))
-            self._update(ti, ids_in, ids, grads)
+            self._update(ti, ids_in, ids, grad_output, bag, scale)  # id j: grad_output[bag[j]] * scale[j]
 
     # -- pooled multi-table ops ---------------------------------------------------------
     @timed("lookup_seconds")
@@ -489,16 +502,8 @@ class BatchedOps:
                 p = self._place_batch(b, ticket)
             self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
                                         per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
-            if p.on_device is None:
-                if D == self._dev.width:
-                    src, idx = self._dev.data, p.slot.index_select(0, b.inverse)
-                else:  # a column slice is not contiguous (embedding_bag would copy the whole
-                    # tier): gather the batch's distinct rows, then pool from them
-                    src, idx = self._dev.data[p.slot, :D], b.inverse
-                return F.embedding_bag(idx, src, offsets, mode=mode,
-                                       per_sample_weights=None if per_sample_weights is None else scale)
-            return F.embedding_bag(b.inverse, self._gather(p, D), offsets, mode=mode,
-                                   per_sample_weights=None if per_sample_weights is None else scale)
+            return self.plane.pool(self, p, b.inverse, offsets, n, D, mode,
+                                   None if per_sample_weights is None else scale)
 
     @timed("update_seconds")
     def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
@@ -541,16 +546,15 @@ class BatchedOps:
                 b = self._batch_multi(t, k)
                 p = self._locate(b) if ticket is not None and ticket.pinned else None
             # each distinct row's gradient: the sum over its ids of their bag's gradient
-            # (times the id's scale), gathered and summed in one fused op
-            g = b.sum_rows(grad.detach().to(self.device, torch.float32).contiguous(), bag, scale)
-            self._update_multi(b, p, g, stepped)
+            # (times the id's scale), formed by the data plane
+            self._update_multi(RowGrads(b, grad.detach().to(self.device, torch.float32).contiguous(), bag, scale),
+                               p, stepped)
 
-    def _update_multi(self, b, p, g, stepped=None) -> None:
-        """Apply summed per-row gradients ``g [U, cols]`` of batch ``b`` (placement ``p``,
-        None: place it now) with one optimizer call per group of like tables."""
-        if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
-            raise NonFiniteGradientError("gradients contain NaN or inf (or their per-row sums overflow); "
-                                         "nothing changed")
+    def _update_multi(self, rg: RowGrads, p, stepped=None) -> None:
+        """Apply the per-row gradients ``rg`` of batch ``rg.b`` (placement ``p``, None: place
+        it now): one optimizer step per distinct row, in place in its tier."""
+        b = rg.b
+        self.plane.check(rg, "gradients")
         if p is None:
             try:
                 p = self._place(b, account=False)
@@ -558,23 +562,9 @@ class BatchedOps:
                 if not self.revoke_prefetches():
                     raise
                 p = self._place(b, account=False)
-        # one optimizer call per group of tables with the same dim, width and step count
-        groups: dict[tuple, list[int]] = defaultdict(list)
         present = torch.unique(b.t).tolist()
-        for ti in set(stepped or ()) - set(present):  # in the batch without ids: a step, as SparseAdam's
+        for ti in set(stepped or ()) | set(present):  # in the batch without ids: a step, as SparseAdam's
             self._steps[ti] += 1
-        for ti in present:
-            self._steps[ti] += 1
-            groups[(self.tables[ti].dim, self.widths[ti], self._steps[ti])].append(ti)
-        for (dim, width, step), tis in groups.items():
-            sel = None if len(tis) == len(present) else torch.isin(b.t, torch.tensor(tis, device=b.t.device))
-            for tier, slots, idx in self._parts(p):
-                gi = g if idx is None else g.index_select(0, idx)
-                if sel is not None:
-                    si = sel if idx is None else sel.index_select(0, idx)
-                    slots, gi = slots[si.to(slots.device)], gi[si]
-                gi = gi[:, :dim].to(tier.device)
-                self.optimizer.apply_slots(tier.data, slots, gi, dim, width, step)
-                tier.dirty[slots.cpu()] = True
+        self.plane.apply(self, rg, p, present)
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())

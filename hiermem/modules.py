@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .dataplane.batch import repeat
 from .errors import InvalidArgumentError, InvalidTypeError
 from .features import SparseFeatures
 from .store import HierarchicalStore, initial_records
@@ -252,6 +253,9 @@ class CachedEmbeddingBagCollection(nn.Module):
     def id_tables(self, f: SparseFeatures) -> torch.Tensor:
         """The table index of every id of ``f`` (int64, on the CPU)."""
         key_t = torch.tensor([self._table_of[k] for k in f.keys], dtype=torch.int64)
+        lengths = f.lengths.cpu()
+        if lengths.dtype == torch.int64 and lengths.numel() == len(f.keys) * f.batch_size:  # one compiled pass
+            return torch.from_numpy(repeat(key_t.numpy(), lengths.contiguous().numpy(), f.batch_size))
         return torch.repeat_interleave(key_t, f.key_lengths().cpu())
 
     def _columns(self, keys: tuple[str, ...]) -> torch.Tensor | None:

@@ -39,6 +39,8 @@ from .hashing import mix_scalar, uniform_rows
 from .core import plan as _plan
 from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
+from .dataplane import DataPlane, RowGrads, default_plane, plane_named
+from .dataplane.batch import minmax, sorted_runs
 from .batched import BatchedOps
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
@@ -107,7 +109,11 @@ class Batch:
 def dedup(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(unique, inverse, counts, lastpos, perm, starts)`` of int64 keys ``x`` from one
     stable sort (``torch.unique`` sorts too, but returns neither the order nor the last
-    occurrence, which then costs a scatter)."""
+    occurrence, which then costs a scatter).  On the CPU one compiled radix sort and a
+    pass over its runs give the same tensors (:mod:`hiermem.dataplane.dedup`)."""
+    if x.device.type == "cpu":
+        perm, starts, inverse, counts, lastpos, u, _ = sorted_runs(x)
+        return u, inverse, counts, lastpos, perm, starts
     s, perm = torch.sort(x, stable=True)
     starts, inverse, counts, lastpos = runs(perm, s[1:] != s[:-1])
     return s.index_select(0, starts), inverse, counts, lastpos, perm, starts
@@ -186,6 +192,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
+        self.plane: DataPlane = default_plane(self.device)  # executes pooling and the fused optimizer
+        self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.counters = Counters(len(tables))
         self._base_table, self._base_io = self._saved_counters(meta_counters)
         self._clock = 0
@@ -351,7 +359,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
         ids = ids.to(self.device, torch.int64)
         if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
+            lo, hi = minmax(ids.contiguous().numpy()) if ids.device.type == "cpu" else (int(ids.min()), int(ids.max()))
             spec = self.tables[ti]
             if lo < 0 or hi > spec.max_id:
                 bad = lo if lo < 0 else hi
@@ -601,28 +609,36 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             grads = self._values(ti, ids.numel(), grads, "grads", check_finite=False)
             self._update(ti, ids_in, ids, grads)
 
-    def _update(self, ti: int, ids_in, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """update() after validation (caller holds the lock)."""
+    def _update(self, ti: int, ids_in, ids: torch.Tensor, grads: torch.Tensor, src: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> None:
+        """update() after validation (caller holds the lock): each id ``j`` contributes
+        ``grads[src[j]] * scale[j]`` (``grads[j]`` when ``src`` is None) to its row."""
         if ids.numel() == 0:
             return
         memo = self._memo_for(ti, ids_in)
         b, p = memo if memo is not None else (self._batch(ti, ids), None)
-        dim = self.tables[ti].dim
-        g = b.sum_rows(grads.to(torch.float32))
-        # NaN/inf in any gradient survives the per-row sums (inf-inf is NaN), so one
-        # reduction over the summed rows checks them all, before anything changes
-        if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
-            raise NonFiniteGradientError(f"grads of table {self.tables[ti].name} contain NaN or inf "
-                                         "(or their per-row sums overflow); nothing changed")
+        rg = RowGrads(b, grads.to(torch.float32).contiguous(), src, scale)
+        # every row's gradient is checked before anything changes
+        self.plane.check(rg, f"grads of table {self.tables[ti].name}")
         if p is None:
             p = self._place(b, account=False)
         self._steps[ti] += 1
-        for tier, slots, idx in self._parts(p):
-            gi = g if idx is None else g.index_select(0, idx).to(tier.device)
-            self.optimizer.apply_slots(tier.data, slots, gi, dim, self.widths[ti], self._steps[ti])
-            tier.dirty[slots.cpu()] = True
+        self.plane.apply(self, rg, p, [ti])
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+
+    @property
+    def data_plane(self) -> str:
+        """The data plane executing pooling and the fused optimizer (``"compiled"``: numba
+        kernels, the default on CPU; ``"torch"``: torch ops, the default on CUDA and the
+        reference).  Settable by name; both give the same numbers."""
+        return self.plane.name
+
+    @data_plane.setter
+    def data_plane(self, name: str) -> None:
+        plane = plane_named(name)
+        with self._lock:
+            self.plane = plane
 
     @timed("update_seconds")
     def update_with_row_stat(self, table: str, ids, grads: torch.Tensor, row_stat: torch.Tensor) -> None:

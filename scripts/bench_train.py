@@ -41,6 +41,8 @@ host's published bandwidths.
 
     python scripts/bench_train.py --quick [--png PATH]   (< 90 s on an idle 2-core host)
     python scripts/bench_train.py                         (full: 3 workloads x 1 2 4 8 W)
+    python scripts/bench_train.py --quick --device cuda   (model, baseline and device tier on the GPU;
+                                                           ids stay on the CPU, as from a data loader)
 """
 
 from __future__ import annotations
@@ -168,16 +170,24 @@ def copy_rate(width: int, rows: int) -> float:
 
 
 class Trainer:
-    """One model + optimizers (dense SGD, and ``emb_opt`` for plain tables); ``step`` trains a batch."""
+    """One model + optimizers (dense SGD, and ``emb_opt`` for plain tables); ``step`` trains a batch.
 
-    def __init__(self, emb: nn.Module, n_tables: int, dim: int, emb_opt=None):
+    On ``device`` cuda the model runs there; ``move_sparse``: the ids go there too (the
+    plain tables; a hiermem collection takes them on the CPU and moves what it needs)."""
+
+    def __init__(self, emb: nn.Module, n_tables: int, dim: int, emb_opt=None, device: str = "cpu",
+                 move_sparse: bool = False):
         torch.manual_seed(1)
-        self.model = DLRM(emb, n_tables, dim)
+        self.model = DLRM(emb, n_tables, dim).to(device)
         dense = torch.optim.SGD(self.model.dense_parameters(), lr=0.01)
         self.opts, self.loss_fn = [o for o in (dense, emb_opt) if o is not None], nn.BCEWithLogitsLoss()
+        self.device, self.move_sparse = torch.device(device), move_sparse and device != "cpu"
 
     def step(self, batch) -> None:
         dense, f, y = batch
+        if self.device.type != "cpu":
+            dense, y = dense.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            f = f.to(self.device) if self.move_sparse else f
         loss = self.loss_fn(self.model(dense, f), y)
         for o in self.opts:
             o.zero_grad()
@@ -186,11 +196,19 @@ class Trainer:
             o.step()
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (timing a block; a no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def settle(store, pipe) -> None:
-    """Wait for the background work already started: prefetch, read-ahead, write-behind."""
+    """Wait for the background work already started: prefetch, read-ahead, write-behind
+    (and the GPU's queued kernels)."""
     if pipe is not None:
         pipe.wait_idle()
     store._disk.drain()  # the write-behind queue (a no-op without it)
+    sync()
 
 
 def timed_blocks(tr: Trainer, it, store, pipe, base: Trainer, batches: list, start: int, steps: int,
@@ -203,6 +221,7 @@ def timed_blocks(tr: Trainer, it, store, pipe, base: Trainer, batches: list, sta
     the blocks' hiermem-over-baseline rates: robust to a burst of load in one block)."""
     for b in batches[max(0, start - 3):start] or batches[-3:]:
         base.step(b)
+    sync()
     hs = bs = ws = 0.0
     ratios = []
     for i in range(start, start + steps, BLOCK):
@@ -215,6 +234,7 @@ def timed_blocks(tr: Trainer, it, store, pipe, base: Trainer, batches: list, sta
         ws += t1 - tw
         for b in batches[i:min(i + BLOCK, start + steps)]:
             base.step(b)
+        sync()
         t2 = time.perf_counter()
         hs, bs = hs + t1 - t0, bs + t2 - t1
         ratios.append((t2 - t1) / (t1 - t0))
@@ -277,9 +297,10 @@ def warm(tr: Trainer, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
     return n, False
 
 
-def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool, preload: bool):
+def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool, preload: bool,
+               device: str = "cpu"):
     """A store restored from the template, every row loaded when ``preload``; counters zeroed."""
-    store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb)
+    store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb, device=device)
     if preload:
         for t in wl.tables:
             for i in range(0, t.num_rows, 1 << 16):
@@ -293,10 +314,10 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
     """Train one configuration (warm-up, then timed steps) and its interleaved baseline."""
     a, batches, t_start = ctx["args"], ctx["batches"], time.perf_counter()
     path = ctx["tmp"] / name.replace("/", "_").replace("@", "_")
-    store = open_store(ctx["ck"], path, wl, dev, host, wb, preload)
+    store = open_store(ctx["ck"], path, wl, dev, host, wb, preload, a.device)
     if cold:
         drop_page_cache(path)
-    tr = Trainer(hm.CachedEmbeddingBagCollection(wl.tables, store=store), len(wl.tables), a.dim)
+    tr = Trainer(hm.CachedEmbeddingBagCollection(wl.tables, store=store), len(wl.tables), a.dim, device=a.device)
     s0 = snapshot(store, None)
     t_pipe = time.perf_counter()
     pipe = hm.PrefetchPipeline(iter(batches), tr.model.embeddings, depth=depth) if depth else None
@@ -338,7 +359,7 @@ def template(wl: Workload, plain: PlainEmbeddingBags, tmp: Path) -> Path:
     """A checkpoint holding every row of ``plain`` in LMDB (restored per configuration)."""
     m = hm.CachedEmbeddingBagCollection.from_embedding_bags(
         dict(plain.bags.items()), hm.StoreConfig(path=tmp / "live", device_rows=1024, host_rows=1024,
-                                                 optimizer=hm.SGD(lr=0.05)))
+                                                 optimizer=hm.SGD(lr=0.05), device="cpu"))
     ck = m.checkpoint(tmp / "template")
     m.store.close()
     shutil.rmtree(tmp / "live")
@@ -358,9 +379,11 @@ def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn
     out = {}
     try:
         plain = PlainEmbeddingBags(wl.tables)
-        base = Trainer(plain, len(wl.tables), a.dim, torch.optim.SGD(plain.parameters(), lr=0.05))
         t0 = time.perf_counter()
-        ctx = {"args": a, "batches": batches, "tmp": tmp, "ck": template(wl, plain, tmp), "base": base,
+        ck = template(wl, plain, tmp)  # from the CPU weights, before the baseline moves them
+        base = Trainer(plain, len(wl.tables), a.dim, torch.optim.SGD(plain.parameters(), lr=0.05), device=a.device,
+                       move_sparse=True)
+        ctx = {"args": a, "batches": batches, "tmp": tmp, "ck": ck, "base": base,
                "rate": rate_fn(wl.tables[0].dim)}
         print(f"  LMDB template of {total} rows: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         out[f"{wl.name}/device"] = run_config(ctx, wl, f"{wl.name}/device", total + 1024, 1024, 0, preload=True)
@@ -482,7 +505,7 @@ def summary(res: dict, Ws: dict, proj: dict, png: Path, a) -> dict:
             "warmup_steps_max": max(c["warmup_steps"] for c in res.values()),
             "warmup_capped": [k for k, c in res.items() if not c["settled"]],
             "working_set_rows": {k: round(v, 1) for k, v in Ws.items()},
-            "quick": a.quick, "batch": a.batch, "timed_steps": a.steps, "png": str(png),
+            "quick": a.quick, "device": a.device, "batch": a.batch, "timed_steps": a.steps, "png": str(png),
             "configs": {k: {"over_baseline": round(c["over_baseline"], 3),
                             "over_baseline_sums": round(c["over_baseline_sums"], 3),
                             "samples_per_s": round(c["samples_per_s"], 1),
@@ -509,7 +532,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", nargs="+", default=None, choices=("zipf1.05", "zipf1.2", "criteo"),
                     help="default: all three (quick: zipf1.05 criteo)")
     ap.add_argument("--png", type=Path, default=None, help="default runs/bench_train.png")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the model, the baseline's tables and the device tier live (default cpu)")
     a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
     if a.steps < 30:
         ap.error("--steps must be >= 30")
     a.rows = a.rows or (120_000 if a.quick else 500_000)
@@ -550,7 +577,8 @@ def main(argv=None) -> int:
             print(f"  {k:26s} hides LMDB at steps >= {v['hide_disk_at_step_ms']:7.2f} ms "
                   f"(all transfers: {v['hide_all_io_at_step_ms']:.2f} ms)", file=sys.stderr)
     load = (round(load0, 2), round(os.getloadavg()[0], 2))
-    plot(res, [w.name for w in wls], sizes, png, f"measured on {os.cpu_count()} CPU cores (no GPU), batch {a.batch}, "
+    gpu = f" + {torch.cuda.get_device_name()}" if a.device == "cuda" else " (no GPU)"
+    plot(res, [w.name for w in wls], sizes, png, f"measured on {os.cpu_count()} CPU cores{gpu}, batch {a.batch}, "
          f"{a.steps} timed steps in blocks interleaved with the baseline; load average {load[0]} -> {load[1]}")
     print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s; load average {load[0]} at the start, {load[1]} at the end"
           f" on {os.cpu_count()} cores" + ("  (SHARED MACHINE: other work competed for the cores, ratios are noisy)"

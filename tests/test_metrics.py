@@ -414,6 +414,10 @@ def test_disk_io_metrics_follow_the_store(tmp_path):
         with hm.PrefetchPipeline(batches(), emb, depth=2) as it:
             for f in it:
                 emb(f).sum().backward()
+                # each step's background work done before the next: the read-ahead of a
+                # batch then finishes before its prefetch (a fast step would otherwise beat
+                # the I/O process's start, and no read-ahead would come in time to hit)
+                it.wait_idle()
         st = s.stats()["_store"]
 
         def v(name, **labels):

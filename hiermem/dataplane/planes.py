@@ -1,0 +1,251 @@
+"""Data planes: how a store executes the math of a placed batch on its tier tensors.
+
+A plane does two things for :class:`~hiermem.HierarchicalStore` (which validates,
+deduplicates and places the batch first, through the control plane):
+
+* ``pool``: the pooled rows of bags of a placed batch (``nn.EmbeddingBag`` semantics);
+* ``check`` then ``apply``: each distinct row's gradient (the sum over its positions
+  ``j`` of ``grad[src[j]] * scale[j]``, :class:`RowGrads`) is checked for NaN/inf
+  before anything changes, then the optimizer updates the rows' records in place in
+  their tiers and marks them dirty.
+
+:class:`TorchPlane` is a chain of torch ops (gather, ``embedding_bag``, the optimizer's
+``apply_slots``): the reference the tests compare against, and the plane of CUDA stores.
+:class:`CompiledPlane` (CPU stores) runs :mod:`hiermem.dataplane.kernels`: one parallel
+pass over the bags for the lookup, one over the distinct rows for the backward with the
+optimizer fused, and no per-id or per-row intermediate tensor.  It hands anything it
+has no kernel for (an optimizer of the user's, a sub-batch without its sort, gradients
+whose sums might overflow) to the torch plane, so every store behaves the same.
+
+Planes keep no state of their own between calls; the store's lock serialises them.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numba
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, NonFiniteGradientError
+from ..optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from . import kernels as K
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_NO_I64 = np.zeros(0, dtype=np.int64)
+_NO_F32 = np.zeros(0, dtype=np.float32)
+
+
+@dataclass
+class RowGrads:
+    """The gradient of each distinct row of batch ``b``, not yet formed: the sum over the
+    row's positions ``j`` (input order) of ``grad[src[j], :cols] * scale[j]``.
+
+    ``src`` None: position ``j`` reads ``grad[j]``; ``scale`` None: 1.  ``summed``
+    ``[U, cols]`` once a plane formed the sums (the torch plane does).
+    """
+
+    b: object
+    grad: torch.Tensor
+    src: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    summed: torch.Tensor | None = None
+
+    def form(self) -> torch.Tensor:
+        if self.summed is None:
+            self.summed = self.b.sum_rows(self.grad, self.src, self.scale)
+        return self.summed
+
+
+def _refuse(what: str) -> None:
+    raise NonFiniteGradientError(f"{what} contain NaN or inf (or their per-row sums overflow); nothing changed")
+
+
+class DataPlane(ABC):
+    """The data plane of a store (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def pool(self, store, p, inverse: torch.Tensor, offsets: torch.Tensor, n: int, cols: int, mode: str,
+             psw: torch.Tensor | None) -> torch.Tensor:
+        """Pooled rows ``[len(offsets), cols]`` of bags of positions whose distinct row is
+        ``inverse [n]``, placed at ``p``; ``psw``: per-sample weights (sum mode)."""
+
+    @abstractmethod
+    def check(self, rg: RowGrads, what: str) -> None:
+        """Raise :class:`NonFiniteGradientError` (nothing changed) when a row's gradient
+        is not finite."""
+
+    @abstractmethod
+    def apply(self, store, rg: RowGrads, p, present: list[int]) -> None:
+        """One optimizer step of every distinct row of ``rg.b`` (placed at ``p``) with its
+        gradient, in place; ``present``: the batch's tables (their steps already counted)."""
+
+
+class TorchPlane(DataPlane):
+    """Torch ops: the reference, and the plane of CUDA stores (every op on the device)."""
+
+    name = "torch"
+
+    def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
+        dev = store._dev
+        if p.on_device is None:
+            if cols == dev.width:
+                src, idx = dev.data, p.slot.index_select(0, inverse)
+            else:  # a column slice is not contiguous (embedding_bag would copy the whole
+                # tier): gather the batch's distinct rows, then pool from them
+                src, idx = dev.data.index_select(0, p.slot)[:, :cols], inverse
+        else:
+            src, idx = store._gather(p, cols), inverse
+        return torch.nn.functional.embedding_bag(idx, src, offsets, mode=mode, per_sample_weights=psw)
+
+    def check(self, rg, what):
+        g = rg.form()
+        # NaN/inf in any gradient survives the per-row sums (inf-inf is NaN), so one
+        # reduction over the summed rows checks them all
+        if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
+            _refuse(what)
+
+    def apply(self, store, rg, p, present):
+        b, g, opt = rg.b, rg.form(), store.optimizer
+        # one optimizer call per group of tables with the same dim, width and step count
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for ti in present:
+            groups[(store.tables[ti].dim, store.widths[ti], store._steps[ti])].append(ti)
+        for (dim, width, step), tis in groups.items():
+            sel = None if len(tis) == len(present) else torch.isin(b.t, torch.tensor(tis, device=b.t.device))
+            for tier, slots, idx in store._parts(p):
+                gi = g if idx is None else g.index_select(0, idx)
+                if sel is not None:
+                    si = sel if idx is None else sel.index_select(0, idx)
+                    slots, gi = slots[si.to(slots.device)], gi[si]
+                gi = gi[:, :dim].to(tier.device)
+                opt.apply_slots(tier.data, slots, gi, dim, width, step)
+                tier.dirty[slots.cpu()] = True
+
+
+def _np(x: torch.Tensor | None, empty: np.ndarray) -> np.ndarray:
+    """A contiguous numpy view of a CPU tensor (``empty`` for None)."""
+    return empty if x is None else x.detach().contiguous().numpy()
+
+
+#: Below this many floats of work a kernel runs on the calling thread alone (as torch's
+#: ``parallel_for`` below its grain size): waking a pool costs more than it saves, and on a
+#: loaded host a parallel region waits for its slowest thread's next time slice.
+PARALLEL_WORK = 1 << 18
+
+
+def _threads(work: int) -> int:
+    """Set numba's thread count (per calling thread) for ``work`` floats: torch's intra-op
+    count, or 1 for small work; returns it."""
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) if work >= PARALLEL_WORK else 1
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+def _tasks(starts: np.ndarray, n: int, threads: int) -> np.ndarray:
+    """Bounds of the backward's parallel tasks over distinct rows (``starts``: where each
+    row's ids start in the sorted order, of ``n``): 8 per thread, of about equal numbers of
+    ids, so a thread with a hot row (thousands of ids) gets fewer rows besides."""
+    tasks = 1 if threads == 1 else min(max(1, starts.size), 8 * threads)
+    return np.searchsorted(starts, np.linspace(0, n, tasks + 1).astype(np.int64)).astype(np.int64)
+
+
+def _sgd(o, steps):
+    return (o.lr,), None
+
+
+def _adagrad(o, steps):
+    return (o.lr, o.eps), None
+
+
+def _adam(o, steps):
+    coef = [o.lr * math.sqrt(1 - o.beta2 ** s) / (1 - o.beta1 ** s) if s > 0 else 0.0 for s in steps]
+    return (o.beta1, o.beta2, o.eps), np.asarray(coef, dtype=np.float32)
+
+
+# optimizer class (exactly: a subclass may change the math) -> (its kernel, a function of
+# the optimizer and the tables' step counts giving its hyper-parameters and per-table
+# coefficients)
+FUSED = {SGD: (K.sgd, _sgd), Adagrad: (K.adagrad, _adagrad), RowWiseAdagrad: (K.rowwise_adagrad, _adagrad),
+         Adam: (K.adam, _adam)}
+
+
+class CompiledPlane(DataPlane):
+    """Compiled CPU kernels (:mod:`hiermem.dataplane.kernels`), torch for the rest."""
+
+    name = "compiled"
+
+    def __init__(self) -> None:
+        self._torch = TorchPlane()
+
+    @staticmethod
+    def _gslots(store, p) -> np.ndarray:
+        if p.on_device is None:
+            return _np(p.slot, _NO_I64)
+        return _np(torch.where(p.on_device, p.slot, p.slot + store._dev.capacity), _NO_I64)
+
+    def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
+        if store.device.type != "cpu":
+            return self._torch.pool(store, p, inverse, offsets, n, cols, mode, psw)
+        out = torch.empty((offsets.numel(), cols), dtype=torch.float32)
+        dev, host = store._dev, store._host
+        _threads(n * cols)
+        K.pool(dev.data.numpy(), host.data.numpy(), dev.capacity, self._gslots(store, p), _np(inverse, _NO_I64),
+               _np(offsets, _NO_I64), n, _np(psw, _NO_F32), mode == "mean", out.numpy())
+        return out
+
+    def check(self, rg, what):
+        b = rg.b
+        if b.perm is None or rg.grad.device.type != "cpu":
+            return self._torch.check(rg, what)
+        grad = rg.grad
+        rows = grad.shape[0]
+        ok, gmax = K.max_abs(grad.numpy(), rows, grad.shape[1], _threads(grad.numel()))
+        smax = 1.0
+        if rg.scale is not None and rg.scale.numel():
+            sok, smax = K.max_abs(_np(rg.scale, _NO_F32).reshape(-1, 1), rg.scale.numel(), 1, _threads(rg.scale.numel()))
+            ok = ok and sok
+        # every partial sum of a row is at most (its count) x gmax x smax (x (1 + 2**-23)
+        # per add): far from float32's max, no sum can overflow.  Otherwise (NaN/inf
+        # somewhere, perhaps in a row no id reads, or a loose bound) the sums themselves
+        # decide, formed by torch (and then applied by torch)
+        if not ok or gmax * smax * int(b.counts.max()) * 2.0 >= _F32_MAX:
+            self._torch.check(rg, what)
+
+    def apply(self, store, rg, p, present):
+        fused = FUSED.get(type(store.optimizer))
+        if rg.summed is not None or fused is None or store.device.type != "cpu":
+            return self._torch.apply(store, rg, p, present)
+        kernel, params = fused
+        hp, coef = params(store.optimizer, store._steps)
+        b, dev, host = rg.b, store._dev, store._host
+        dims, starts = store._dims_np, _np(b.starts, _NO_I64)
+        nt = _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
+        kernel(dev.data.numpy(), host.data.numpy(), dev.capacity, dev.state[2], host.state[2],
+               self._gslots(store, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts,
+               _np(b.counts, _NO_I64), _tasks(starts, b.n, nt), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32),
+               _np(rg.scale, _NO_F32), _NO_F32 if coef is None else coef, *hp)
+
+
+PLANES: dict[str, type[DataPlane]] = {c.name: c for c in (TorchPlane, CompiledPlane)}
+
+
+def plane_named(name: str) -> DataPlane:
+    """A plane by name (``"compiled"`` or ``"torch"``)."""
+    cls = PLANES.get(name)
+    if cls is None:
+        raise InvalidArgumentError(f"unknown data plane {name!r}; planes are {sorted(PLANES)}")
+    return cls()
+
+
+def default_plane(device: torch.device) -> DataPlane:
+    """The compiled kernels on CPU, torch ops elsewhere (CUDA)."""
+    return CompiledPlane() if device.type == "cpu" else TorchPlane()

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The first thing to run on a machine with a GPU (one GPU, under 8 minutes):
+#   1. the CUDA tests (tests marked gpu: the store and the module on a CUDA device tier,
+#      the data-plane exactness tests with device="cuda"),
+#   2. scripts/bench_store.py --quick (the CPU data plane against FBGEMM's CPU TBE),
+#   3. scripts/bench_train.py --quick --device cuda (DLRM on the GPU through hiermem
+#      against nn.EmbeddingBag on the GPU),
+# then prints the figures.  On a machine without CUDA it says so and exits 0 (2 when the
+# interpreter cannot import torch at all).
+#
+#   bash scripts/gpu_check.sh            (PYTHON=... to pick the interpreter)
+#
+# Each part has its own time limit; a part that fails or times out is reported and the
+# others still run; the exit status is 1 when any part failed.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+    echo "gpu_check: $PY cannot import torch; set PYTHON to the project's interpreter" >&2
+    exit 2
+fi
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check. Run it on a GPU machine."
+    exit 0
+fi
+
+out=$(mktemp -d "${TMPDIR:-/tmp}/hiermem-gpu-check.XXXXXX")
+start=$SECONDS
+status=0
+"$PY" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__, "CUDA", torch.version.cuda)'
+
+run() {  # name, limit (s), command...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    echo "== $name (limit ${limit} s)"
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 5 "$out/$name.log"
+    echo "== $name: exit $rc in $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || status=1
+}
+
+# compiling the kernels once (cached on disk) is charged to no part in particular
+run compile 120 "$PY" -c 'import hiermem, hiermem.dataplane.kernels'
+run cuda_tests 130 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_dataplane.py
+run bench_store 90 "$PY" scripts/bench_store.py --quick
+run bench_train 120 "$PY" scripts/bench_train.py --quick --device cuda --png "$out/bench_train.png"
+
+"$PY" - "$out" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+def last_json(name):
+    f = out / f"{name}.log"
+    lines = f.read_text().strip().splitlines() if f.is_file() else []
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+s, t = last_json("bench_store"), last_json("bench_train")
+print("\ngpu_check figures")
+if s:
+    for k in ("b_over_fbgemm", "criteo_b_over_fbgemm", "exact", "exact_fbgemm", "criteo_exact", "criteo_exact_fbgemm"):
+        print(f"  bench_store {k}: {s.get(k)}")
+else:
+    print("  bench_store: no result (see its log)")
+if t:
+    for k in ("device_over_baseline", "steady_host_over_baseline", "steady_disk_prefetch_over_baseline",
+              "criteo_steady_disk_prefetch_over_baseline", "cold_disk_prefetch_over_baseline"):
+        print(f"  bench_train --device cuda {k}: {t.get(k)}")
+else:
+    print("  bench_train: no result (see its log)")
+EOF
+echo "gpu_check: logs in $out; $((SECONDS - start)) s; exit $status"
+exit $status

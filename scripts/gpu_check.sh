@@ -5,6 +5,8 @@
 #   2. scripts/bench_store.py --quick (the CPU data plane against FBGEMM's CPU TBE),
 #   3. scripts/bench_train.py --quick --device cuda (DLRM on the GPU through hiermem
 #      against nn.EmbeddingBag on the GPU),
+#   4. scripts/nccl_check.py (world size 1 over NCCL: every sharding type against the
+#      unsharded store),
 # then prints the figures.  On a machine without CUDA it says so and exits 0 (2 when the
 # interpreter cannot import torch at all).
 #
@@ -45,9 +47,10 @@ run() {  # name, limit (s), command...
 
 # compiling the kernels once (cached on disk) is charged to no part in particular
 run compile 120 "$PY" -c 'import hiermem, hiermem.dataplane.kernels'
-run cuda_tests 130 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_dataplane.py
-run bench_store 90 "$PY" scripts/bench_store.py --quick
+run cuda_tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_dataplane.py
+run bench_store 80 "$PY" scripts/bench_store.py --quick
 run bench_train 120 "$PY" scripts/bench_train.py --quick --device cuda --png "$out/bench_train.png"
+run nccl_check 40 "$PY" scripts/nccl_check.py
 
 "$PY" - "$out" <<'EOF'
 import json, pathlib, sys

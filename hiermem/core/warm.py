@@ -3,10 +3,10 @@
 ``import hiermem`` calls :func:`ensure_compiled`: with a warm cache it only checks a
 stamp file (the kernels load lazily, on first use); on a fresh install it compiles
 everything now, so the first batch of a training run is not the one that waits.  The
-kernels fall in two halves of about equal compile time (placement decisions and the
-index; the commit and the replay loop), compiled at once in this process and a child
-process when the machine has a second core (numba compiles on one thread); both write
-the same on-disk cache.  ``NUMBA_DISABLE_JIT=1`` skips it.
+kernels fall in two halves of about equal compile time (placement decisions, the index
+and the data plane's; the commit and the replay loop), compiled at once in this process
+and a child process when the machine has a second core (numba compiles on one thread);
+both write the same on-disk caches.  ``NUMBA_DISABLE_JIT=1`` skips it.
 """
 
 from __future__ import annotations
@@ -84,6 +84,33 @@ def _exercise(part: int | None = None) -> None:
                np.zeros(16, dtype=i64), 8, *P.workspace(4), 0)
 
 
+def _exercise_dataplane() -> None:
+    """Train one tiny batch per optimizer (sum, mean, per-sample weights) through a CPU
+    store: compiles the data plane's kernels (:mod:`hiermem.dataplane`), cached beside
+    them, so the first training step does not wait for them either."""
+    import tempfile
+
+    import torch
+
+    from ..modules import CachedEmbeddingBagCollection
+    from ..optim import SGD, Adagrad, Adam, RowWiseAdagrad
+    from ..features import SparseFeatures
+    from ..types import StoreConfig, TableSpec
+
+    tables = [TableSpec("a", num_rows=50, dim=4), TableSpec("b", num_rows=None, dim=4)]
+    with tempfile.TemporaryDirectory(prefix="hiermem-warm-") as td:
+        for i, opt in enumerate((SGD(lr=0.1), Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1), Adam(lr=0.1))):
+            for mode, w in (("sum", None), ("mean", None), ("sum", torch.ones(6))):
+                cfg = StoreConfig(path=f"{td}/s{i}{mode}{w is None}", device="cpu", device_rows=4, host_rows=8,
+                                  optimizer=opt)
+                emb = CachedEmbeddingBagCollection(tables, cfg, mode=mode)
+                try:
+                    f = SparseFeatures(("a", "b"), torch.tensor([1, 2, 3, 1, 7, 9]), torch.tensor([2, 1, 2, 1]), w)
+                    emb(f).sum().backward()
+                finally:
+                    emb.store.close()
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -121,6 +148,7 @@ def ensure_compiled(force: bool = False) -> float:
     t0 = time.perf_counter()
     child = _start_child()
     _exercise(0)
+    _exercise_dataplane()
     if child is not None:
         try:
             child.wait(timeout=900)

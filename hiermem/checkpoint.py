@@ -85,7 +85,8 @@ def clean_stale_temporaries(parent: str | os.PathLike, name: str | None = None) 
         return removed
     for e in entries:
         m = _TEMP.fullmatch(e.name)
-        if m is None or (name is not None and not m["name"].startswith(name)):
+        base = None if m is None else m["name"].lstrip(".")
+        if m is None or (name is not None and base != name and not base.startswith(f"{name}.restore-")):
             continue
         try:
             if not e.is_dir(follow_symlinks=False):

@@ -12,17 +12,41 @@ from .errors import HierMemError
 def _demo(a: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
+    sizes = _policy_sizes(a)
     server = None
     if a.metrics_port is not None:
         server = _serve(a.metrics_port, a.metrics_addr)
     try:
-        run_demo(DemoConfig(steps=a.steps, batch=a.batch, dim=a.dim, device_rows=a.device_rows,
-                            host_rows=a.host_rows, table_factor=a.table_factor, depth=a.depth, policy=a.policy,
+        run_demo(DemoConfig(steps=a.steps, batch=a.batch, dim=a.dim, table_factor=a.table_factor, policy=a.policy, **sizes,
                             checkpoint_every=a.checkpoint_every, device=a.device, path=a.path, seed=a.seed,
                             synthetic=a.synthetic, criteo=a.criteo, resume=a.resume, progress=not a.no_progress))
     finally:
         if server is not None:
             server.shutdown()
+    return 0
+
+
+def _policy_sizes(a: argparse.Namespace) -> dict:
+    """--device-rows, --host-rows, --depth: as given, else the --policy file's, else the
+    defaults; the effective values are printed with where each came from."""
+    from .eviction import policy_settings
+
+    f, out, said = policy_settings(a.policy), {}, []
+    for arg, key, default in (("device_rows", "device_rows", 16384), ("host_rows", "host_rows", 65536),
+                              ("depth", "prefetch_depth", 2)):
+        given = getattr(a, arg)
+        out[arg], src = (given, "argument") if given is not None else \
+            (f[key], a.policy) if key in f else (default, "default")
+        said.append(f"{arg}={out[arg]} ({src})")
+    print("hiermem: " + ", ".join(said), file=sys.stderr, flush=True)
+    return out
+
+
+def _export(a: argparse.Namespace) -> int:
+    from .readonly import export_npy
+
+    n, seq = export_npy(a.path, a.table, a.out)
+    print(f"hiermem: wrote {n} rows of {a.table} to {a.out} (flush {seq})", file=sys.stderr)
     return 0
 
 
@@ -83,10 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=300, help="train until this step (default 300)")
     d.add_argument("--batch", type=int, default=256, help="samples per step")
     d.add_argument("--dim", type=int, default=16, help="embedding dimension")
-    d.add_argument("--device-rows", type=int, default=16384, help="device tier rows (tables are 10x this)")
-    d.add_argument("--host-rows", type=int, default=65536, help="host tier rows")
+    d.add_argument("--device-rows", type=int, default=None,
+                   help="device tier rows (tables are 10x this; default: the policy file's, else 16384)")
+    d.add_argument("--host-rows", type=int, default=None, help="host tier rows (default: the policy file's, else 65536)")
     d.add_argument("--table-factor", type=int, default=10, help="bounded tables' size / device tier")
-    d.add_argument("--depth", type=int, default=2, help="prefetch depth (0: none)")
+    d.add_argument("--depth", type=int, default=None, help="prefetch depth (0: none; default: the policy file's, else 2)")
     d.add_argument("--policy", default="lru", help="lru, lfu or a policies/*.toml file")
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     d.add_argument("--path", default="runs/demo", help="run directory (store and checkpoints)")
@@ -109,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="print a store's layout and counters")
     s.add_argument("path")
     s.set_defaults(fn=_stats)
+    x = sub.add_parser("export", help="write a table's rows (ids, weights) to .npy; works while a process trains")
+    x.add_argument("path")
+    x.add_argument("--table", required=True)
+    x.add_argument("--out", required=True, help="FILE.npy (a structured array: id int64, weight float32[dim])")
+    x.set_defaults(fn=_export)
     pl = sub.add_parser("plan", help="plan table/row/column/data-parallel sharding and tiers (TOML or JSON config)")
     pl.add_argument("config", help="e.g. hiermem/sharding/example_plan.toml")
     pl.add_argument("--json", action="store_true", help="print the ShardingPlan as JSON")

@@ -779,6 +779,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 "disk_write_queue_rows": self._disk.queued,
                 "disk_writemap": self._disk.writemap, "disk_io_processes": self._disk.io_processes,
                 "disk_io_failures": self._disk.io_failures,
+                "flush_seq": self._flush_seq, "prefetch_depth": self.config.prefetch_depth,
+                "stale_temporaries_removed": self.stale_temporaries_removed,
             }
             return out
 

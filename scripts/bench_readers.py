@@ -176,7 +176,7 @@ def reader(a: argparse.Namespace) -> int:
 # -- the check ------------------------------------------------------------------------
 def check(wlog: Path, rlogs: list[Path]) -> dict:
     """Every reader observation against the writer's log (see the module docstring)."""
-    w = np.load(wlog)
+    w = np.load(wlog, allow_pickle=False)
     keys = np.concatenate([w["keys"], w["init_keys"]])
     hashes = np.concatenate([w["hashes"], w["init_hashes"]])
     steps = np.concatenate([w["steps"], np.zeros(w["init_keys"].size, dtype=np.int64)])
@@ -188,7 +188,7 @@ def check(wlog: Path, rlogs: list[Path]) -> dict:
     fseq, fstep = w["flush_seqs"], w["flush_steps"]
     out = {"observations": 0, "torn": 0, "stale": 0, "later": 0, "unknown_seq": 0}
     for p in rlogs:
-        r = np.load(p)
+        r = np.load(p, allow_pickle=False)
         # the distinct (row, record, flush) triples a reader saw
         trip = np.unique(np.stack([r["keys"], r["hashes"], r["seqs"].astype(np.uint64)], 1), axis=0)
         k, h, q = trip[:, 0], trip[:, 1], trip[:, 2].astype(np.int64)

@@ -25,10 +25,10 @@ T = TypeVar("T")
 READ_ATTEMPTS = 3  # a failed read is tried this many times in all
 RETRY_PAUSE = 0.01  # seconds before the first retry (doubled each time)
 
-# OS errors LMDB passes on (by errno; a message naming one of them is read the same way)
-_IO_ERRNOS = tuple(e for e in (errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ENXIO, errno.ENODEV,
-                               errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOMEM, errno.ESTALE, errno.ETIMEDOUT,
-                               errno.EFBIG, errno.EDQUOT, errno.ENOSPC))
+# errors of the disk or filesystem that LMDB passes on (by errno; a message naming one of
+# them is read the same way); others (EISDIR, EACCES, ...) say what the path is, not an I/O failure
+_IO_ERRNOS = (errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ENXIO, errno.ENODEV, errno.ENOMEM,
+              errno.ESTALE, errno.ETIMEDOUT, errno.EFBIG, errno.EDQUOT, errno.ENOSPC)
 _CORRUPT = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
             lmdb.BadValsizeError)
 
@@ -52,7 +52,7 @@ def os_errno(e: BaseException) -> int | None:
     """The OS errno behind an LMDB (or OS) error, or None where it is LMDB's own code."""
     code = getattr(e, "errno", None) or getattr(e, "code", None)
     if isinstance(code, int) and code > 0:
-        return code
+        return code if code in _IO_ERRNOS else None
     msg = str(e)
     for n in _IO_ERRNOS:
         if os.strerror(n) in msg:

@@ -332,6 +332,13 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         self.sync()
 
     def sync(self) -> None:
+        """Force committed data to disk (flush, checkpoint); first clear the reader slots of
+        dead processes (a killed read-only handle), so their old snapshots do not keep LMDB
+        from reusing pages."""
+        try:
+            self.env.reader_check()
+        except lmdb.Error:
+            pass
         try:
             self.env.sync(True)
         except lmdb.Error as e:  # never retried: after a failed fsync the kernel may have dropped the pages

@@ -491,7 +491,7 @@ def child(args: argparse.Namespace) -> int:
             (ckdir / f"{args.round}-restore.txt").write_text(f"{args.round}-{nck}")
             take_checkpoint(store, ref, log, ckdir, f"{args.round}-{nck}", hooks)
             continue
-        if step == restore_at + 10:
+        if restore_at >= 0 and step == restore_at + 10:
             restore_and_die(store, log, ckdir / (ckdir / f"{args.round}-restore.txt").read_text(), args)
         if int(torch.randint(0, CHECKPOINT_EVERY, (1,), generator=g)) == 0:
             nck += 1

@@ -233,9 +233,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         return cls(cfg[0], cfg[1])
 
     @staticmethod
-    def _saved_config(path, overrides: dict, readonly: bool = False) -> tuple[list[TableSpec], StoreConfig]:
+    def _saved_config(path, overrides: dict) -> tuple[list[TableSpec], StoreConfig]:
         """The tables and config saved in the store at ``path``, with ``overrides``."""
-        disk = DiskTier(path, create=False, readonly=readonly)
+        disk = DiskTier(path, create=False)
         try:
             meta = disk.read_meta()
         finally:
@@ -245,7 +245,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         overrides, explicit = dict(overrides), set(overrides)
         policy = overrides.pop("policy", meta.get("policy"))
         sizes = {k: overrides.pop(k, meta.get(k)) for k in ("device_rows", "host_rows", "prefetch_depth")}
-        if policy != meta.get("policy"):  # a policy file given now: its sizes over the saved ones
+        if "policy" in explicit:  # a policy file given now: its sizes over the saved ones
             from .eviction import policy_settings
 
             for k in policy_settings(policy):

@@ -175,3 +175,21 @@ def test_load_test_quick_no_torn_or_stale_rows():
     assert ph["readers"]["observations"] > 0 and ph["readers"]["torn"] == ph["readers"]["stale"] == 0
     assert ph["readers"]["writer_steps"] > 0 and all(x > 0 for x in ph["readers"]["reader_lookups_per_s"])
     assert ph["alone"]["writer_mismatches"] == ph["readers"]["writer_mismatches"] == 0
+
+
+def test_load_test_checker_reports_torn_and_stale_rows(tmp_path):
+    """The load test's checker itself: a record the writer never held is torn, one older
+    than the reported flush is stale, one newer is counted as later."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hm_bench_readers", ROOT / "scripts" / "bench_readers.py")
+    br = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(br)
+    k = br.key_of(0, np.array([1, 2]))
+    u64 = lambda *x: np.array(x, dtype=np.uint64)  # noqa: E731
+    np.savez(tmp_path / "w.npz", keys=k[[0, 0, 1]], hashes=u64(10, 11, 20), steps=np.array([1, 2, 1]),
+             init_keys=k, init_hashes=u64(100, 200), flush_seqs=np.array([1, 2]), flush_steps=np.array([0, 1]))
+    np.savez(tmp_path / "r.npz", keys=k[[0, 0, 1, 0, 1]], hashes=u64(10, 100, 999, 11, 200),
+             seqs=np.array([2, 2, 1, 1, 1]))
+    got = br.check(tmp_path / "w.npz", [tmp_path / "r.npz"])
+    assert (got["torn"], got["stale"], got["later"], got["observations"]) == (1, 1, 1, 5)

@@ -29,7 +29,6 @@ import fcntl
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 import lmdb

@@ -193,3 +193,41 @@ def test_load_test_checker_reports_torn_and_stale_rows(tmp_path):
              seqs=np.array([2, 2, 1, 1, 1]))
     got = br.check(tmp_path / "w.npz", [tmp_path / "r.npz"])
     assert (got["torn"], got["stale"], got["later"], got["observations"]) == (1, 1, 1, 5)
+
+
+_GROWTH_READER = textwrap.dedent("""
+    import sys, torch, hiermem as hm
+    r = hm.HierarchicalStore.open(sys.argv[1], readonly=True)
+    print(r.records("h", torch.arange(10)).shape[0], flush=True)  # a snapshot of the small map
+    sys.stdin.readline()
+    rec = r.records("h", torch.arange(0, 60000, 7))  # rows written after the map grew
+    print(r.flush_seq, float(rec[:, :3].double().sum()), flush=True)
+    r.close()
+""")
+
+
+@pytest.mark.parametrize("writemap", [False, True])
+def test_reader_follows_the_map_as_the_writer_grows_it(tmp_path, writemap):
+    s = hm.HierarchicalStore(TABLES, hm.StoreConfig(path=tmp_path / "s", device_rows=64, host_rows=64,
+                                                    map_size=1 << 20, writemap=writemap))
+    proc = subprocess.Popen([sys.executable, "-c", _GROWTH_READER, str(tmp_path / "s")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "10"
+        before = s.stats()["_store"]["lmdb_map_size"]
+        g = torch.Generator().manual_seed(0)
+        for i in range(0, 60000, 2000):  # 60,000 records straight to LMDB: the 1 MiB map grows
+            s.import_records("h", torch.arange(i, i + 2000), torch.randn(2000, 3, generator=g))
+        s.flush()
+        assert s.stats()["_store"]["lmdb_map_size"] > before
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        seq, total = proc.stdout.readline().split()
+        assert int(seq) == s.stats()["_store"]["flush_seq"]
+        ids = torch.arange(0, 60000, 7)
+        full = sum(float(s.lookup("h", ids[j:j + 100]).double().sum()) for j in range(0, ids.numel(), 100))
+        assert abs(float(total) - full) < 1e-6 * max(1.0, abs(full))
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        s.close()

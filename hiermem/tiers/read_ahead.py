@@ -17,7 +17,6 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreFormatError
-from ..stats import Histogram
 from .lmdb_process import LmdbProcessError
 from .records import encode_keys, key_list
 
@@ -75,11 +74,6 @@ class ReadAhead:
                         got |= hit
         self.ahead_hits += int(got.sum())
         return got
-
-    def durations(self) -> tuple[Histogram, Histogram]:
-        """Copies of the read and write duration histograms."""
-        with self._ahead_cv:
-            return self.read_seconds.copy(), self.write_seconds.copy()
 
     def begin_read_ahead(self) -> int:
         """Open a read-ahead (the caller holds the store's lock, so no write is between

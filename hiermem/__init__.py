@@ -8,6 +8,7 @@ from .errors import (CapacityError, DiskFullError, HierMemError, InvalidArgument
                      InvalidTypeError, LayoutMismatchError, NonFiniteGradientError, PolicyFileError,
                      StoreClosedError, StoreFormatError, UnknownTableError)
 from .errors import MissingDependencyError, TraceFormatError  # offline policy tuning (hiermem.sim)
+from .errors import ReadOnlyStoreError, StoreIOError  # hardening and read-only readers (issue 19)
 from .features import SparseFeatures
 from .eviction import LFU, LRU, POLICIES, EvictionPolicy, PolicySpec, register_policy, resolve_policy
 from .metrics import STORES, MetricsRegistry, StoreCollector, serve_metrics
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MissingDependencyError", "TraceFormatError",
+    "ReadOnlyStoreError", "StoreIOError",
     "Adagrad", "Adam", "CachedEmbeddingBagCollection", "PrefetchPipeline", "Ticket", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
     "IO", "InvalidArgumentError", "MetricsRegistry", "STORES", "StoreCollector", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
     "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD", "SparseFeatures",

@@ -45,8 +45,9 @@ def port(s: str) -> int:
 def _demo(a: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(steps=a.steps, epochs=a.epochs, batch=a.batch, dim=a.dim, device_rows=a.device_rows,
-                     host_rows=a.host_rows, table_factor=a.table_factor, depth=a.depth, policy=a.policy,
+    sizes = _policy_sizes(a)
+    cfg = DemoConfig(steps=a.steps, epochs=a.epochs, batch=a.batch, dim=a.dim, device_rows=sizes["device_rows"],
+                     host_rows=sizes["host_rows"], table_factor=a.table_factor, depth=sizes["depth"], policy=a.policy,
                      lr=a.lr, dense_lr=a.dense_lr, seed=a.seed, synthetic=a.synthetic, criteo=a.criteo,
                      checkpoint_every=a.checkpoint_every, keep_checkpoints=a.keep_checkpoints, device=a.device,
                      path=a.path, resume=a.resume, fresh=a.fresh, progress=not a.no_progress,
@@ -57,6 +58,31 @@ def _demo(a: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.shutdown()
+    return 0
+
+
+def _policy_sizes(a: argparse.Namespace) -> dict:
+    """--device-rows, --host-rows, --depth: as given, else the --policy file's, else None
+    (the demo's default, or the resumed run's); when the file names any of them, the
+    effective values are printed with where each came from."""
+    from .eviction import policy_settings
+
+    f, out, said = policy_settings(a.policy), {}, []
+    for arg, key in (("device_rows", "device_rows"), ("host_rows", "host_rows"), ("depth", "prefetch_depth")):
+        given = getattr(a, arg)
+        out[arg], src = (given, "argument") if given is not None else \
+            (f[key], a.policy) if key in f else (None, "the demo's default")
+        said.append(f"{arg}={out[arg] if out[arg] is not None else '-'} ({src})")
+    if f:
+        print("hiermem: " + ", ".join(said), file=sys.stderr, flush=True)
+    return out
+
+
+def _export(a: argparse.Namespace) -> int:
+    from .readonly import export_npy
+
+    n, seq = export_npy(a.path, a.table, a.out)
+    print(f"hiermem: wrote {n} rows of {a.table} to {a.out} (flush {seq})", file=sys.stderr)
     return 0
 
 
@@ -170,12 +196,12 @@ def _add_demo(sub) -> None:
     d.add_argument("--batch", type=positive, default=None, help="samples per step (default 256)")
     d.add_argument("--dim", type=positive, default=None, help="embedding dimension (default 16)")
     d.add_argument("--device-rows", type=positive, default=None,
-                   help="device tier rows (default: 4096 for the real data, else 16384)")
+                   help="device tier rows (default: the --policy file's, else 4096 for the real data, else 16384)")
     d.add_argument("--host-rows", type=non_negative, default=None,
-                   help="host tier rows (default: 12288 for the real data, else 65536)")
+                   help="host tier rows (default: the --policy file's, else 12288 for the real data, else 65536)")
     d.add_argument("--table-factor", type=positive, default=None,
                    help="bounded tables' size / device tier (default 10)")
-    d.add_argument("--depth", type=non_negative, default=None, help="prefetch depth, 0: none (default 2)")
+    d.add_argument("--depth", type=non_negative, default=None, help="prefetch depth, 0: none (default: the --policy file's, else 2)")
     d.add_argument("--policy", default=None, help="lru, lfu or a policies/*.toml file (default lru)")
     d.add_argument("--lr", type=float, default=None,
                    help="row-wise Adagrad rate of the embeddings (default: 0.003 on the real data, else 0.05)")
@@ -219,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="every counter per table and tier, as JSON")
     s.set_defaults(fn=_stats)
+    x = sub.add_parser("export", formatter_class=_Help,
+                       help="write a table's rows (ids, weights) to .npy; works while a process trains")
+    x.add_argument("path")
+    x.add_argument("--table", required=True)
+    x.add_argument("--out", required=True, help="FILE.npy (a structured array: id int64, weight float32[dim])")
+    x.set_defaults(fn=_export)
     pl = sub.add_parser("plan", formatter_class=_Help,
                         help="plan table/row/column/data-parallel sharding and tiers (TOML or JSON config)")
     pl.add_argument("config", help="e.g. hiermem/sharding/example_plan.toml")

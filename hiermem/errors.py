@@ -61,6 +61,25 @@ class DiskFullError(HierMemError, OSError):
     """The disk under the LMDB store is full; the last write did not happen."""
 
 
+class StoreIOError(HierMemError, OSError):
+    """Reading or writing the store's files failed in the operating system (EIO, a
+    failing disk, a lost network mount, ...): not a corrupt store.  ``errno`` is the OS
+    error number; what the failed call would have written was not written.  Reads are
+    retried before this is raised (a read changes nothing); a commit is retried once.
+    A full disk is :class:`DiskFullError` instead."""
+
+    def __init__(self, errno_: int, message: str, path=None):
+        super().__init__(errno_, message)
+        self.path = None if path is None else str(path)
+
+    def __str__(self) -> str:
+        return f"[Errno {self.errno}] {self.strerror}"
+
+
+class ReadOnlyStoreError(HierMemError):
+    """A write (update, write, flush, checkpoint, ...) on a store opened ``readonly=True``."""
+
+
 class PolicyFileError(HierMemError, ValueError):
     """A policy file is unreadable, names an unknown policy, or has unknown keys."""
 

@@ -189,21 +189,15 @@ class PolicySpec:
 _FILE_KEYS = {"name", "description", "params", "device_rows", "host_rows", "prefetch_depth"}
 
 
-def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
-    """A policy name (``"lru"``) or the path of a TOML policy file -> :class:`PolicySpec`.
+#: what a policy file's tier sizes and depth must be: (key, smallest value)
+POLICY_SETTINGS = (("device_rows", 1), ("host_rows", 1), ("prefetch_depth", 0))
 
-    A policy file looks like::
 
-        name = "lfu"                 # registry name
-        description = "..."          # optional
-        [params]                     # optional constructor parameters
-
-    Raises:
-        PolicyFileError: unknown policy name, unreadable file, unknown keys.
-    """
+def _read_policy_file(policy: str | os.PathLike) -> tuple[Path, dict] | None:
+    """``(path, document)`` of a policy file, or None for a registry name."""
     s = os.fspath(policy)
     if s in POLICIES:
-        return PolicySpec(s)
+        return None
     path = Path(s)
     if path.suffix != ".toml" or not path.is_file():
         raise PolicyFileError(f"unknown policy {s!r}: not one of {sorted(POLICIES)} nor a policy .toml file")
@@ -214,6 +208,53 @@ def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
     unknown = set(doc) - _FILE_KEYS
     if unknown:
         raise PolicyFileError(f"{path}: unknown keys {sorted(unknown)} (allowed: {sorted(_FILE_KEYS)})")
+    return path, doc
+
+
+def policy_settings(policy: str | os.PathLike) -> dict[str, int]:
+    """The tier sizes and prefetch depth a policy file names (``device_rows``,
+    ``host_rows``, ``prefetch_depth``; only those it has); ``{}`` for a registry name.
+
+    :class:`~hiermem.StoreConfig` applies them where its own argument is None, and
+    :class:`~hiermem.PrefetchPipeline` the depth where its ``depth`` is None.
+
+    Raises:
+        PolicyFileError: unreadable file, unknown keys, or a value that is not an int
+            at least its minimum (naming the key).
+    """
+    got = _read_policy_file(policy)
+    if got is None:
+        return {}
+    path, doc = got
+    out = {}
+    for key, least in POLICY_SETTINGS:
+        if key in doc:
+            v = doc[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise PolicyFileError(f"{path}: {key} must be an int >= {least}, got {v!r}")
+            out[key] = v
+    return out
+
+
+def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
+    """A policy name (``"lru"``) or the path of a TOML policy file -> :class:`PolicySpec`.
+
+    A policy file looks like::
+
+        name = "lfu"                 # registry name
+        description = "..."          # optional
+        device_rows = 4096           # optional tier sizes and prefetch depth: applied by
+        host_rows = 65536            #   StoreConfig / PrefetchPipeline where their own
+        prefetch_depth = 2           #   arguments are not given (see policy_settings)
+        [params]                     # optional constructor parameters
+
+    Raises:
+        PolicyFileError: unknown policy name, unreadable file, unknown keys.
+    """
+    got = _read_policy_file(policy)
+    if got is None:
+        return PolicySpec(os.fspath(policy))
+    path, doc = got
     name = doc.get("name")
     if name not in POLICIES:
         raise PolicyFileError(f"{path}: unknown policy name {name!r} (known: {sorted(POLICIES)})")

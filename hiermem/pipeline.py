@@ -250,7 +250,8 @@ class PrefetchPipeline:
         loader: any iterable of batches; each holds a :class:`SparseFeatures` (found by
             ``features``, default :func:`find_features`).
         module: the :class:`CachedEmbeddingBagCollection` the batches go through.
-        depth: how many batches ahead to prefetch (>= 1).
+        depth: how many batches ahead to prefetch (>= 1); None (the default): the
+            store config's ``prefetch_depth`` (its policy file's, else 2).
         features: ``batch -> SparseFeatures`` when the default cannot find them.
         timeout: seconds a step waits for the prefetch thread before ``TimeoutError``.
         background: run prefetch and read-ahead on background threads (True), inline on
@@ -263,8 +264,15 @@ class PrefetchPipeline:
     :meth:`close`) so pins are released and the thread stops.
     """
 
-    def __init__(self, loader: Iterable, module, depth: int = 2, features: Callable[[Any], Any] | None = None,
-                 timeout: float | None = 600.0, background: bool | str = "auto"):
+    def __init__(self, loader: Iterable, module, depth: int | None = None,
+                 features: Callable[[Any], Any] | None = None, timeout: float | None = 600.0,
+                 background: bool | str = "auto"):
+        if depth is None:  # the store's, from its policy file or the default
+            cfg = getattr(module.store, "config", None)
+            depth = getattr(cfg, "prefetch_depth", 2)
+            if depth == 0:
+                raise InvalidArgumentError(f"the store's policy ({cfg.policy}) sets prefetch_depth = 0 (no "
+                                           "prefetch): iterate without a PrefetchPipeline or pass depth=")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise InvalidArgumentError(f"depth must be an int >= 1, got {depth!r}")
         self.module, self.store, self.depth = module, module.store, depth

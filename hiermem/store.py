@@ -50,6 +50,8 @@ from .types import StoreConfig, TableSpec, Tier
 
 _OPEN: set[str] = set()  # store directories open in this process
 _OPEN_LOCK = threading.Lock()
+_READERS: set[str] = set()  # store directories with a read-only handle in this process (hiermem.readonly)
+_HANDOFF: dict[str, int] = {}  # store lock descriptors taken by restore() for the open that follows
 
 
 def initial_records(spec: TableSpec, table_index: int, seed: int, optimizer: Optimizer,
@@ -180,6 +182,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 meta = self._disk.read_meta()
                 meta_counters = (meta or {}).get("counters")
                 self._steps = self._check_layout(meta)
+                self._flush_seq = int((meta or {}).get("flush_seq", 0))
+                self._clean_temporaries(meta)
             except BaseException:
                 self._disk.close()
                 raise
@@ -209,23 +213,39 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
     # -- opening and layout -------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, **overrides) -> "HierarchicalStore":
+    def open(cls, path: str | os.PathLike, readonly: bool = False, **overrides) -> "HierarchicalStore":
         """Reopen a store from its directory alone.
 
         ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
-        of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``, ``map_size``,
-        ``sync_writebacks``, ``write_behind``, ``io_process``, ``writemap``, ``trace_path``).
+        of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``,
+        ``prefetch_depth``, ``map_size``, ``sync_writebacks``, ``write_behind``,
+        ``io_process``, ``writemap``, ``trace_path``).  A policy file given here applies
+        its tier sizes and depth over the saved ones (an explicit override still wins).
+
+        ``readonly=True`` opens a :class:`~hiermem.readonly.ReadOnlyStore` instead: any
+        number of them, in other processes, while one process trains; see
+        :mod:`hiermem.readonly` (``overrides``: ``device`` only).
 
         Raises:
             StoreFormatError: ``path`` is not a hiermem store, or is corrupt.
         """
-        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "map_size", "sync_writebacks",
-                                "write_behind", "io_process", "writemap", "trace_path"}
+        if readonly:
+            from .readonly import ReadOnlyStore
+
+            return ReadOnlyStore(path, **overrides)
+        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "prefetch_depth", "map_size",
+                                "sync_writebacks", "write_behind", "io_process", "writemap", "trace_path"}
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
         with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
             if os.path.realpath(path) in _OPEN:
                 raise HierMemError(f"{path}: store is already open in this process")
+        cfg = cls._saved_config(path, overrides)
+        return cls(cfg[0], cfg[1])
+
+    @staticmethod
+    def _saved_config(path, overrides: dict) -> tuple[list[TableSpec], StoreConfig]:
+        """The tables and config saved in the store at ``path``, with ``overrides``."""
         disk = DiskTier(path, create=False)
         try:
             meta = disk.read_meta()
@@ -233,16 +253,26 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             disk.close()
         if meta is None:
             raise StoreFormatError(path, "an empty LMDB environment, not a hiermem store")
+        overrides, explicit = dict(overrides), set(overrides)
+        policy = overrides.pop("policy", meta.get("policy"))
+        sizes = {k: overrides.pop(k, meta.get(k)) for k in ("device_rows", "host_rows", "prefetch_depth")}
+        if "policy" in explicit:  # a policy file given now: its sizes over the saved ones
+            from .eviction import policy_settings
+
+            for k in policy_settings(policy):
+                if k not in explicit:
+                    sizes[k] = None
         try:
             tables = [TableSpec.from_dict(d) for d in meta["tables"]]
-            cfg = StoreConfig(path=path, device=meta["device"], device_rows=meta["device_rows"],
-                              host_rows=meta["host_rows"], policy=meta["policy"], seed=meta["seed"],
-                              optimizer=optimizer_from_dict(meta["optimizer"]))
+            cfg = StoreConfig(path=path, device=meta["device"], policy=policy, seed=meta["seed"],
+                              optimizer=optimizer_from_dict(meta["optimizer"]), **sizes)
         except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, HierMemError) and not isinstance(e, (InvalidArgumentError, InvalidTypeError)):
+                raise
             raise StoreFormatError(path, f"corrupt store metadata: {e}") from e
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             cfg = replace(cfg, device="cpu")
-        return cls(tables, replace(cfg, **overrides))
+        return tables, replace(cfg, **overrides)
 
     def _layout(self) -> dict:
         return {"tables": [s.to_dict() for s in self.tables], "optimizer": self.optimizer.to_dict(),
@@ -252,8 +282,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         c = self.config
         policy = self.policy.source or self.policy.name
         meta = {**self._layout(), "device": str(self.device), "device_rows": c.device_rows,
-                "host_rows": c.host_rows, "policy": policy,
-                "steps": {s.name: self._steps[i] for i, s in enumerate(self.tables)}}
+                "host_rows": c.host_rows, "policy": policy, "prefetch_depth": c.prefetch_depth,
+                "steps": {s.name: self._steps[i] for i, s in enumerate(self.tables)},
+                "flush_seq": getattr(self, "_flush_seq", 0), "checkpoint_dirs": getattr(self, "_checkpoint_dirs", [])}
         if hasattr(self, "counters"):  # cumulative counters ride along with every metadata write
             table, io = self.cumulative_counters()
             meta["counters"] = {"table": table.tolist(), "io": {k.name.lower(): int(io[k]) for k in IO}}
@@ -303,22 +334,26 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         with _OPEN_LOCK:
             if key in _OPEN:
                 raise HierMemError(f"{self.path}: store is already open in this process")
+            if key in _READERS:
+                raise HierMemError(f"{self.path}: store has a read-only handle in this process; close it first")
             if self.path.exists() and not self.path.is_dir():
                 raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             lock = self.path / "hiermem.lock"
             self._made_lock = not lock.exists()
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-            except IsADirectoryError:
-                raise StoreFormatError(self.path, f"not a hiermem store: {lock} is a directory") from None
-            except OSError as e:
-                raise HierMemError(f"{self.path}: cannot open the store's lock file: {e}") from e
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                raise HierMemError(f"{self.path}: store is open in another process") from None
+            fd = _HANDOFF.pop(key, None)  # locked by restore() for this open
+            if fd is None:
+                try:
+                    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+                except IsADirectoryError:
+                    raise StoreFormatError(self.path, f"not a hiermem store: {lock} is a directory") from None
+                except OSError as e:
+                    raise HierMemError(f"{self.path}: cannot open the store's lock file: {e}") from e
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    raise HierMemError(f"{self.path}: store is open in another process") from None
             try:  # private even if loosened since, as DiskTier makes LMDB's files
                 os.fchmod(fd, 0o600)
             except PermissionError:  # another owner's file: leave it
@@ -717,7 +752,12 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.data[s].cpu(), tier.dirty[s].cpu())
                     for tier, s in parts]
             allrows = Rows(*(torch.cat([getattr(r, f) for r in rows]) for f in ("t", "k", "rec", "dirty")))
-            self._write_down(allrows, meta=True, sync=True)
+            self._flush_seq += 1  # the number read-only handles report (recorded with the rows)
+            try:
+                self._write_down(allrows, meta=True, sync=True)
+            except BaseException:
+                self._flush_seq -= 1
+                raise
             for tier, s in parts:
                 tier.dirty[s] = False
             self.counters.add_io(IO.FLUSHES, 1)
@@ -797,6 +837,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 "disk_write_queue_rows": self._disk.queued,
                 "disk_writemap": self._disk.writemap, "disk_io_processes": self._disk.io_processes,
                 "disk_io_failures": self._disk.io_failures,
+                "flush_seq": self._flush_seq, "prefetch_depth": self.config.prefetch_depth,
+                "stale_temporaries_removed": self.stale_temporaries_removed,
             }
             return out
 

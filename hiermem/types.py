@@ -100,8 +100,13 @@ class StoreConfig:
         path: directory of the LMDB store (created if missing).
         device: device of the device tier (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
         device_rows: slots in the device tier (rows of any table; padded to the widest).
+            None (the default): the policy file's ``device_rows``, else 10,000.
         host_rows: slots in the host tier (pinned host memory when CUDA is present).
-        policy: ``"lru"``, ``"lfu"``, or the path of a policy TOML file.
+            None (the default): the policy file's ``host_rows``, else 100,000.
+        policy: ``"lru"``, ``"lfu"``, or the path of a policy TOML file.  A file's
+            ``device_rows``, ``host_rows`` and ``prefetch_depth`` apply where those
+            arguments are None; an explicit argument wins.  The config holds the
+            effective values (the store records them in its metadata).
         optimizer: the row optimizer applied by ``update`` (default ``SGD(lr=0.01)``).
         seed: seed of the per-row initialiser.
         map_size: initial LMDB map size in bytes; it grows automatically when full.
@@ -130,12 +135,14 @@ class StoreConfig:
             such as btrfs could then fault on a full disk); False: never.
         trace_path: if set, record every lookup batch to this trace directory
             (:meth:`HierarchicalStore.record`), for offline policy tuning.
+        prefetch_depth: the depth a :class:`~hiermem.PrefetchPipeline` over this store
+            uses when not given one; None (the default): the policy file's, else 2.
     """
 
     path: Union[str, os.PathLike]
     device: str = "cpu"
-    device_rows: int = 10_000
-    host_rows: int = 100_000
+    device_rows: Optional[int] = None
+    host_rows: Optional[int] = None
     policy: str = "lru"
     optimizer: Optional["Optimizer"] = None
     seed: int = 0
@@ -145,8 +152,20 @@ class StoreConfig:
     io_process: bool = True
     writemap: Optional[bool] = None
     trace_path: Optional[Union[str, os.PathLike]] = None
+    prefetch_depth: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, (str, os.PathLike)):
+            raise InvalidTypeError("policy must be a name or a path")
+        from .eviction import policy_settings
+
+        from_file = policy_settings(self.policy)
+        for name, default in (("device_rows", 10_000), ("host_rows", 100_000), ("prefetch_depth", 2)):
+            if getattr(self, name) is None:  # the policy file's value, else the default
+                object.__setattr__(self, name, from_file.get(name, default))
+        d = self.prefetch_depth
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise InvalidArgumentError(f"prefetch_depth must be an int >= 0, got {d!r}")
         for name in ("device_rows", "host_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -164,8 +183,6 @@ class StoreConfig:
             raise InvalidTypeError("writemap must be a bool or None")
         if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):
             raise InvalidTypeError("trace_path must be a path or None")
-        if not isinstance(self.policy, (str, os.PathLike)):
-            raise InvalidTypeError("policy must be a name or a path")
         if self.optimizer is None:
             from .optim import SGD
 

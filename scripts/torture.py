@@ -33,7 +33,19 @@ Kill modes, cycled over the rounds (``MODES``):
 
 * ``prefetch``: a moment after a prefetch starts on the ``PrefetchPipeline``'s thread;
 * ``prefetch-writeback``: inside the write-back transaction of the k-th prefetch that
-  evicts dirty rows.
+  evicts dirty rows;
+* ``readers``: after a random time, while ``READERS`` read-only processes
+  (``HierarchicalStore.open(path, readonly=True)``) read the store; they are killed too.
+  Every record they read must be one the trainer held (else torn) and no older than the
+  row's value at the flush their snapshot reported (else lost);
+* ``restore``: the child checkpoints, trains ten more steps, closes the store and
+  restores the checkpoint over it, dying inside ``restore()``: after its copy, after
+  validating it, just after the data file is swapped, or in the open that follows.  The
+  store must then hold the checkpoint exactly, or its state at the close.
+
+After each kill the reopen must also have removed every temporary the kill left behind
+(``.X.tmp-PID`` of a checkpoint, ``.X.restore-PID`` of a restore): the summary counts
+those seen and those left (which must be none).
 
 Every ~40 steps the child trains a few batches through ``CachedEmbeddingBagCollection``
 and a ``PrefetchPipeline`` (depth 2), checking each forward against the reference.
@@ -87,9 +99,11 @@ SEED = 11
 DEVICE_ROWS, HOST_ROWS = 8, 24  # 32 rows resident at most: constant evictions and write-backs
 FLUSH_EVERY = 12  # steps between flushes, on average
 MODES = ("random", "flush-txn", "flush", "flush-sync", "writeback-txn", "after-flush", "checkpoint",
-         "checkpoint-copy", "checkpoint-rename", "prefetch", "prefetch-writeback")
+         "checkpoint-copy", "checkpoint-rename", "prefetch", "prefetch-writeback", "readers", "restore")
 INJECTED = {"flush-txn", "flush-sync", "writeback-txn", "after-flush", "checkpoint-copy", "checkpoint-rename",
-            "prefetch-writeback"}
+            "prefetch-writeback", "restore"}
+READERS = 2  # read-only processes running through a "readers" round
+RESTORE_POINTS = ("copied", "validated", "replaced", "opening")  # where a "restore" round dies
 PIPELINE_EVERY = 40  # steps between runs of PrefetchPipeline segments, on average
 CHECKPOINT_EVERY = 50  # steps between checkpoints, on average
 ROW, FLUSH = 0, 1  # log entry kinds
@@ -193,9 +207,10 @@ class Log:
         e["rec"][:, :recs.shape[1]] = recs.numpy()
         self._write(e)
 
-    def flush(self) -> None:
+    def flush(self, flush_seq: int = -1) -> None:
+        """A FLUSH marker; ``pos`` holds the store's flush number (what readers report)."""
         e = np.zeros(1, dtype=self.dtype)
-        e["seq"], e["kind"] = self.seq, FLUSH
+        e["seq"], e["kind"], e["pos"] = self.seq, FLUSH, flush_seq
         self._write(e)
 
     def _write(self, e: np.ndarray) -> None:
@@ -386,6 +401,75 @@ def _checkpoint_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> 
     os.rename = rename
 
 
+def take_checkpoint(store, ref: "Reference", log: "Log", ckdir: Path, name: str, hooks: dict) -> None:
+    """A checkpoint, with the reference snapshot it must hold saved first."""
+    with open(ckdir / f"{name}.pending", "wb") as f:
+        np.savez(f, steps=np.array(ref.steps, dtype=np.int64), **{f"rec{i}": r.numpy() for i, r in enumerate(ref.recs)})
+    print("C", flush=True)
+    hooks["in_checkpoint"][0] = True
+    store.checkpoint(ckdir / name)
+    hooks["in_checkpoint"][0] = False
+    log.flush(store._flush_seq)
+    os.replace(ckdir / f"{name}.pending", ckdir / f"{name}.npz")
+    print("c", flush=True)
+
+
+def restore_and_die(store, log: "Log", ck: Path, args: argparse.Namespace) -> None:
+    """Close the store (a flush), then restore checkpoint ``ck`` over it and die inside the
+    restore at ``RESTORE_POINTS[nth % 4]``: its copy made; the copy validated, before the
+    data file is swapped in; just after the swap; in the open that follows."""
+    import hiermem.checkpoint as ckm
+
+    store.close()
+    log.flush(store._flush_seq)
+    point = RESTORE_POINTS[args.nth % len(RESTORE_POINTS)]
+    print("R", flush=True)
+    real_copy, real_replace = ckm.copy_store_files, os.replace
+
+    def copy(src, dst):
+        real_copy(src, dst)
+        if point == "copied":
+            _die()
+
+    def replace(src, dst, *a, **kw):
+        swap = os.fspath(src).endswith("data.mdb") and ".restore-" in os.fspath(src)
+        if swap and point == "validated":
+            _die()
+        real_replace(src, dst, *a, **kw)
+        if swap and point == "replaced":
+            _die()
+    ckm.copy_store_files, os.replace = copy, replace
+    hm.HierarchicalStore.open = classmethod(lambda cls, *a, **kw: _die())  # "opening"
+    hm.HierarchicalStore.restore(ck, args.store)
+    _die()
+
+
+def reader(args: argparse.Namespace) -> int:
+    """Read random batches of both tables through a read-only handle until killed,
+    logging each record read with the flush number of its snapshot (``--reader``)."""
+    torch.set_num_threads(1)
+    r = hm.HierarchicalStore.open(args.store, readonly=True)
+    width = max(widths(r.optimizer))
+    dt = reader_dtype(width)
+    fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    rng = np.random.default_rng(args.nth)
+    all_pools = pools()
+    print("READY", flush=True)
+    while True:
+        ti = int(rng.integers(len(TABLES)))
+        pos = rng.integers(0, all_pools[ti].numel(), 16)
+        rec = r.records(TABLES[ti].name, all_pools[ti][torch.from_numpy(pos)]).numpy()
+        e = np.zeros(len(pos), dtype=dt)
+        e["flush"], e["table"], e["pos"] = r.flush_seq, ti, pos
+        e["rec"][:, :rec.shape[1]] = rec
+        os.write(fd, e.tobytes())
+        time.sleep(0.002)
+
+
+def reader_dtype(width: int) -> np.dtype:
+    return np.dtype([("flush", "<i8"), ("table", "<i4"), ("pos", "<i8"), ("rec", "<f4", (width,))])
+
+
 def child(args: argparse.Namespace) -> int:
     """Train on the store until killed: the ``--child`` entry point."""
     torch.set_num_threads(1)
@@ -399,8 +483,16 @@ def child(args: argparse.Namespace) -> int:
     hooks = install_kill_point(store, args.mode, args.nth)
     g = torch.Generator().manual_seed(args.seed)
     ckdir, nck = Path(args.ckdir), 0
+    restore_at = int(torch.randint(10, 60, (1,), generator=g)) if args.mode == "restore" else -1
     print("READY", flush=True)
     for step in range(args.max_steps):
+        if step == restore_at:  # the checkpoint a "restore" round restores, ten steps on
+            nck += 1
+            (ckdir / f"{args.round}-restore.txt").write_text(f"{args.round}-{nck}")
+            take_checkpoint(store, ref, log, ckdir, f"{args.round}-{nck}", hooks)
+            continue
+        if restore_at >= 0 and step == restore_at + 10:
+            restore_and_die(store, log, ckdir / (ckdir / f"{args.round}-restore.txt").read_text(), args)
         if int(torch.randint(0, CHECKPOINT_EVERY, (1,), generator=g)) == 0:
             nck += 1
             name = f"{args.round}-{nck}"
@@ -411,7 +503,7 @@ def child(args: argparse.Namespace) -> int:
             hooks["in_checkpoint"][0] = True  # its flush is not one of the flushes counted for kill points
             store.checkpoint(ckdir / name)
             hooks["in_checkpoint"][0] = False
-            log.flush()  # a checkpoint flushes first
+            log.flush(store._flush_seq)  # a checkpoint flushes first
             os.replace(ckdir / f"{name}.pending", ckdir / f"{name}.npz")
             print("c", flush=True)
             continue
@@ -425,7 +517,7 @@ def child(args: argparse.Namespace) -> int:
             print("F", flush=True)
             store.flush()
             hooks["after_flush"]()
-            log.flush()
+            log.flush(store._flush_seq)
             print("f", flush=True)
             continue
         ti = int(torch.randint(0, len(TABLES), (1,), generator=g))
@@ -477,7 +569,12 @@ class Check:
     later: int = 0  # rows holding a value newer than their last-flushed one
     checkpoints: int = 0  # checkpoints of the round restored and compared
     checkpoint_bad: int = 0  # of those, unrestorable or not exactly their snapshot
-    stale_tmp: int = 0  # temporary directories a killed checkpoint left behind
+    stale_tmp: int = 0  # temporaries (checkpoint, restore) a kill left behind, seen before the reopen
+    stale_tmp_left: int = 0  # ... and still there after the reopen and the checkpoint checks
+    restored: bool = False  # a "restore" round: the store held the checkpoint after the kill
+    reader_rows: int = 0  # records read by read-only processes during the round, checked
+    reader_torn: int = 0  # ... that the trainer never held
+    reader_stale: int = 0  # ... older than the flush their snapshot reported
     problems: list[str] = field(default_factory=list)
 
 
@@ -617,11 +714,12 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
            "--mode", mode, "--nth", str(nth), "--policy", policy] + (["--write-behind"] if _WRITE_BEHIND[0] else []) \
         + ([] if _IO_PROCESS[0] else ["--in-thread-io"])
     with open(work / "child.stderr", "w+") as err:
+        readers = start_readers(work, i, rng) if mode == "readers" else []
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
         out = _Output(proc)
         try:
             out.wait_for("READY", 1, 120)
-            if mode == "random":
+            if mode in ("random", "readers"):
                 time.sleep(rng.uniform(0.05, 0.8))
             elif mode == "flush":
                 out.wait_for("F", nth, 120)
@@ -639,6 +737,10 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            for r in readers:  # killed too: a reader's death must not matter either
+                r.kill()
+                r.wait()
+                r.stdout.close()
         lines = out.rest()
         proc.stdout.close()
         err.seek(0)
@@ -653,20 +755,116 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
     pmarks = [o for o in out if o in ("P", "p")]
     in_prefetch = bool(pmarks) and pmarks[-1] == "P"
     log = read_log(log_path, max(widths(base.opt)))
+    stale = count_temporaries(work)
     try:
-        check, nxt = verify(work / "store", log, base)
+        if mode == "restore":
+            check, nxt = verify_restore(work, i, log, base)
+        else:
+            check, nxt = verify(work / "store", log, base)
     except hm.HierMemError as e:
         return Round(mode, rc, in_flush, Check(), open_error=f"{type(e).__name__}: {e}"), base
+    check.stale_tmp = stale
+    if mode == "readers":
+        verify_readers(work, i, log, base, check)
     verify_checkpoints(work, i, check)
+    check.stale_tmp_left = count_temporaries(work)
+    if check.stale_tmp_left:
+        check.problems.append(f"{check.stale_tmp_left} stale temporaries left after the reopen")
     return Round(mode, rc, in_flush, check, in_checkpoint=in_checkpoint, in_prefetch=in_prefetch,
                  missed="IDLE" in out), nxt
+
+
+def count_temporaries(work: Path) -> int:
+    """Checkpoint and restore temporaries (``.X.tmp-PID``, ``.X.restore-PID``) in the work
+    and checkpoint directories."""
+    return sum(1 for d in (work, work / "ck") if d.is_dir() for p in d.iterdir()
+               if p.name.startswith(".") and (".tmp-" in p.name or ".restore-" in p.name))
+
+
+def start_readers(work: Path, i: int, rng: random.Random) -> list[subprocess.Popen]:
+    """``READERS`` read-only processes on the store, each logging what it reads."""
+    procs = []
+    for k in range(READERS):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--reader", "--optimizer", _OPTIMIZER[0],
+               "--store", str(work / "store"), "--log", str(work / f"rlog{i}-{k}.bin"), "--nth",
+               str(rng.randrange(2**31))]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    for p in procs:
+        if p.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"round {i}: a reader did not start")
+    return procs
+
+
+def _hash_rows(rec: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row's bits."""
+    u = np.ascontiguousarray(rec, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    mult = np.random.default_rng(7).integers(1, 2**63, size=u.shape[1], dtype=np.uint64) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        return (u * mult).sum(1, dtype=np.uint64)
+
+
+def verify_readers(work: Path, i: int, log: np.ndarray, base: Reference, c: Check) -> None:
+    """Every record a reader read in round ``i`` must be one the trainer held (its value at
+    the round's start or a logged one; else torn), and no older than the row's value at
+    the flush the reader's snapshot reported, when that flush is in the round's log
+    (else stale)."""
+    rows = log[log["kind"] == ROW]
+    marks = log[log["kind"] == FLUSH]
+    for f in sorted(work.glob(f"rlog{i}-*.bin")):
+        raw = f.read_bytes()
+        dt = reader_dtype(max(widths(base.opt)))
+        obs = np.frombuffer(raw[:len(raw) - len(raw) % dt.itemsize], dtype=dt)
+        for ti in range(len(TABLES)):
+            w = widths(base.opt)[ti]
+            o = obs[obs["table"] == ti]
+            if not o.size:
+                continue
+            e = rows[rows["table"] == ti]
+            oh = _hash_rows(o["rec"][:, :w])
+            start = _hash_rows(base.recs[ti].numpy())
+            eh = _hash_rows(e["rec"][:, :w]) if e.size else np.zeros(0, np.uint64)
+            for pos, h, fl in zip(o["pos"].tolist(), oh.tolist(), o["flush"].tolist()):
+                c.reader_rows += 1
+                held = e["seq"][(e["pos"] == pos) & (eh == h)]
+                at_start = start[pos] == h
+                if not held.size and not at_start:
+                    c.reader_torn += 1
+                    if c.reader_torn <= 3:
+                        c.problems.append(f"reader torn: {TABLES[ti].name} pos {pos} flush {fl}")
+                    continue
+                m = marks["seq"][marks["pos"] == fl]
+                if not m.size:  # that flush is not in this round's log: nothing more to check
+                    continue
+                before = e["seq"][(e["pos"] == pos) & (e["seq"] < m[0])]
+                need = int(before.max()) if before.size else -1
+                got = int(held.max()) if held.size else -1
+                if got < need:
+                    c.reader_stale += 1
+                    if c.reader_stale <= 3:
+                        c.problems.append(f"reader stale: {TABLES[ti].name} pos {pos} flush {fl}")
+    c.torn += c.reader_torn
+    c.lost += c.reader_stale
+
+
+def verify_restore(work: Path, i: int, log: np.ndarray, base: Reference) -> tuple[Check, Reference]:
+    """After a kill inside ``restore()``: the store holds either the checkpoint exactly (the
+    swap happened) or its state at the close before the restore (checked as any round)."""
+    ck = work / "ck"
+    name = (ck / f"{i}-restore.txt").read_text()
+    want = Reference.load(ck / f"{name}.npz")
+    recs, steps = on_disk(work / "store", want.opt)
+    if steps == want.steps and all(np.array_equal(r.view(np.uint32), w.numpy().view(np.uint32))
+                                   for r, w in zip(recs, want.recs)):
+        hm.HierarchicalStore.open(work / "store").close()  # must open (and clear what the kill left)
+        c = Check(rows=sum(r.shape[0] for r in recs), restored=True)
+        return c, Reference([torch.from_numpy(r.copy()) for r in recs], steps)
+    return verify(work / "store", log, base)
 
 
 def verify_checkpoints(work: Path, i: int, c: Check) -> None:
     """Restore every checkpoint directory the round's process made and compare it, bit for
     bit, with the reference snapshot the process saved just before taking it."""
     ck = work / "ck"
-    c.stale_tmp = len(list(ck.glob(f".{i}-*.tmp-*")))
     for d in sorted(p for p in ck.glob(f"{i}-*") if p.is_dir()):
         want_path = next((p for p in (ck / f"{d.name}.npz", ck / f"{d.name}.pending") if p.exists()), None)
         c.checkpoints += 1
@@ -706,7 +904,10 @@ def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODE
             print(f"kill {i + 1:3d} {mode:18s} in_flush={int(r.in_flush)} in_ckpt={int(r.in_checkpoint)} "
                   f"in_prefetch={int(r.in_prefetch)} "
                   f"rows={c.rows} later={c.later} lost={c.lost} torn={c.torn} ckpts={c.checkpoints} "
-                  f"ckpt_bad={c.checkpoint_bad}" + (f" OPEN ERROR {r.open_error}" if r.open_error else "")
+                  f"ckpt_bad={c.checkpoint_bad} tmp={c.stale_tmp}/{c.stale_tmp_left}"
+                  + (f" reader_rows={c.reader_rows}" if mode == "readers" else "")
+                  + (f" restored={int(c.restored)}" if mode == "restore" else "")
+                  + (f" OPEN ERROR {r.open_error}" if r.open_error else "")
                   + "".join(f"\n    {p}" for p in c.problems), flush=True)
     return rounds
 
@@ -722,7 +923,13 @@ def summary(rounds: list[Round]) -> dict:
             "missed_kill_points": sum(r.missed for r in rounds),
             "checkpoints_restored": sum(r.check.checkpoints for r in rounds),
             "checkpoints_bad": sum(r.check.checkpoint_bad for r in rounds),
-            "stale_checkpoint_tmp_dirs": sum(r.check.stale_tmp for r in rounds),
+            "stale_temporaries_seen": sum(r.check.stale_tmp for r in rounds),
+            "stale_temporaries_left": sum(r.check.stale_tmp_left for r in rounds),
+            "restores_killed": sum(r.mode == "restore" for r in rounds),
+            "restores_completed": sum(r.check.restored for r in rounds),
+            "reader_rows_checked": sum(r.check.reader_rows for r in rounds),
+            "reader_torn": sum(r.check.reader_torn for r in rounds),
+            "reader_stale": sum(r.check.reader_stale for r in rounds),
             "rows_later": sum(r.check.later for r in rounds),
             "modes": {m: sum(r.mode == m for r in rounds) for m in dict.fromkeys(r.mode for r in rounds)}}
 
@@ -739,6 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-behind", action="store_true",
                    help="the child's store commits eviction write-backs on its writer thread")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
     for a in ("--store", "--log", "--baseline", "--mode", "--policy", "--ckdir", "--round"):
         p.add_argument(a, help=argparse.SUPPRESS)
     p.add_argument("--nth", type=int, default=1, help=argparse.SUPPRESS)
@@ -749,6 +957,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         _OPTIMIZER[0] = a.optimizer
         return child(a)
+    if a.reader:
+        _OPTIMIZER[0] = a.optimizer
+        return reader(a)
     work = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="hm-torture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -761,7 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(s))
     print(f"kills={s['kills']} lost={s['lost']} torn={s['torn']}")
     ok = s["kills"] == a.kills and s["lost"] == s["torn"] == s["open_errors"] == s["problems"] == 0 \
-        and s["checkpoints_bad"] == 0
+        and s["checkpoints_bad"] == 0 and s["stale_temporaries_left"] == 0
     return 0 if ok else 1
 
 

@@ -362,7 +362,9 @@ CONFIG_CASES = [
     ("device_rows-float", lambda p: hm.StoreConfig(path=p, device_rows=4.0), hm.InvalidTypeError),
     ("device_rows-bool", lambda p: hm.StoreConfig(path=p, device_rows=True), hm.InvalidTypeError),
     ("host_rows-str", lambda p: hm.StoreConfig(path=p, host_rows="16"), hm.InvalidTypeError),
-    ("host_rows-none", lambda p: hm.StoreConfig(path=p, host_rows=None), hm.InvalidTypeError),
+    # host_rows=None is the policy file's value, else the default (issue 19)
+    ("prefetch_depth<0", lambda p: hm.StoreConfig(path=p, prefetch_depth=-1), hm.InvalidArgumentError),
+    ("prefetch_depth-float", lambda p: hm.StoreConfig(path=p, prefetch_depth=1.5), hm.InvalidArgumentError),
     ("map_size-small", lambda p: hm.StoreConfig(path=p, map_size=(1 << 20) - 1), hm.InvalidArgumentError),
     ("map_size-0", lambda p: hm.StoreConfig(path=p, map_size=0), hm.InvalidArgumentError),
     ("map_size-negative", lambda p: hm.StoreConfig(path=p, map_size=-(1 << 30)), hm.InvalidArgumentError),

@@ -6,6 +6,7 @@ typed error naming the file, and change nothing; the store must work once it cle
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -210,8 +211,8 @@ def test_read_error_is_typed_names_the_file_and_changes_nothing(pair, op):
     s, twin = pair
     real = s._disk.env
     s._disk.env = fake = _FaultyEnv(real, read_error=True)
-    try:
-        with pytest.raises(hm.StoreFormatError) as ei:
+    try:  # an I/O error is not corruption: StoreIOError with its errno (after retries)
+        with pytest.raises(hm.StoreIOError) as ei:
             if op == "where":
                 s.where("h", FRESH)
             else:
@@ -220,6 +221,7 @@ def test_read_error_is_typed_names_the_file_and_changes_nothing(pair, op):
         s._disk.env = real
     assert fake.faults >= 1
     assert "Input/output error" in str(ei.value) and str(s.path) in str(ei.value)
+    assert ei.value.errno == errno.EIO and not isinstance(ei.value, hm.StoreFormatError)
     st = s.stats()["_store"]
     assert st["updates"] == twin.stats()["_store"]["updates"]
     assert same(snapshot(s), snapshot(twin))

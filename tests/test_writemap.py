@@ -15,6 +15,7 @@ import torch
 
 import hiermem as hm
 import hiermem.tiers.disk as disk_mod
+import hiermem.tiers.mapgrow as mapgrow_mod
 from conftest import mounted_tmpfs
 from reference import FlatStore
 
@@ -116,7 +117,7 @@ def test_filesystem_type_names_the_mount(tmp_path):
 
 
 def test_default_is_off_where_preallocation_is_not_known_to_hold(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_mod, "PREALLOCATING_FILESYSTEMS", frozenset())
+    monkeypatch.setattr(mapgrow_mod, "PREALLOCATING_FILESYSTEMS", frozenset())
     s = make(tmp_path / "s")
     try:
         assert not s.stats()["_store"]["disk_writemap"]

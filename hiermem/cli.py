@@ -67,7 +67,7 @@ def _policy_sizes(a: argparse.Namespace) -> dict:
     effective values are printed with where each came from."""
     from .eviction import policy_settings
 
-    f, out, said = policy_settings(a.policy), {}, []
+    f, out, said = policy_settings(a.policy) if a.policy else {}, {}, []
     for arg, key in (("device_rows", "device_rows"), ("host_rows", "host_rows"), ("depth", "prefetch_depth")):
         given = getattr(a, arg)
         out[arg], src = (given, "argument") if given is not None else \

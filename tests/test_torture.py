@@ -19,6 +19,13 @@ import pytest
 
 from hiermem.tiers.disk import encode_keys, key_list
 
+@pytest.fixture(autouse=True)
+def _torch_plane(monkeypatch):
+    """These tests compare bit for bit with tests/reference.py's torch-op FlatStore: run the
+    torch data plane (the compiled one equals it to ~1 ulp, tests/test_dataplane.py)."""
+    monkeypatch.setenv("HIERMEM_DATA_PLANE", "torch")
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

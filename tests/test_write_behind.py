@@ -21,6 +21,13 @@ import hiermem.tiers.disk as disk_mod
 from hiermem.tiers import lmdb_process
 from reference import FlatStore
 
+@pytest.fixture(autouse=True)
+def _torch_plane(monkeypatch):
+    """These tests compare bit for bit with tests/reference.py's torch-op FlatStore: run the
+    torch data plane (the compiled one equals it to ~1 ulp, tests/test_dataplane.py)."""
+    monkeypatch.setenv("HIERMEM_DATA_PLANE", "torch")
+
+
 IO = [False, pytest.param(True, marks=pytest.mark.skipif(not lmdb_process.supported(),
                                                           reason="I/O processes need Linux"))]
 IO_IDS = ["in-thread", "io-process"]

@@ -19,6 +19,13 @@ import hiermem.tiers.mapgrow as mapgrow_mod
 from conftest import mounted_tmpfs
 from reference import FlatStore
 
+@pytest.fixture(autouse=True)
+def _torch_plane(monkeypatch):
+    """These tests compare bit for bit with tests/reference.py's torch-op FlatStore: run the
+    torch data plane (the compiled one equals it to ~1 ulp, tests/test_dataplane.py)."""
+    monkeypatch.setenv("HIERMEM_DATA_PLANE", "torch")
+
+
 SPEC = [hm.TableSpec("t", None, 32), hm.TableSpec("b", 500, 8)]
 
 

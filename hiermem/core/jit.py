@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -101,7 +100,7 @@ else:
     @intrinsic
     def _f64_bits(typingctx, x):
         def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.IntType(64))
+            return builder.bitcast(args[0], context.get_value_type(types.int64))
         return types.int64(types.float64), codegen
 
     @tiny

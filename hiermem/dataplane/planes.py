@@ -22,6 +22,8 @@ Planes keep no state of their own between calls; the store's lock serialises the
 
 from __future__ import annotations
 
+import os
+
 import math
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -247,5 +249,11 @@ def plane_named(name: str) -> DataPlane:
 
 
 def default_plane(device: torch.device) -> DataPlane:
-    """The compiled kernels on CPU, torch ops elsewhere (CUDA)."""
+    """The compiled kernels on CPU, torch ops elsewhere (CUDA); ``HIERMEM_DATA_PLANE=torch``
+    (or ``compiled``) overrides it, e.g. to compare bit for bit with a torch-op reference
+    (the compiled plane equals the torch plane to ~1 ulp, not bitwise: see
+    docs/dataplane.md)."""
+    name = os.environ.get("HIERMEM_DATA_PLANE", "").strip().lower()
+    if name:
+        return plane_named(name)
     return CompiledPlane() if device.type == "cpu" else TorchPlane()

@@ -120,15 +120,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 raise InvalidTypeError(f"{name}: expected nn.EmbeddingBag, got {type(b).__name__}")
         tables = [TableSpec(n, b.num_embeddings, b.embedding_dim) for n, b in bags.items()]
         m = cls(tables, config, mode=modes.pop())
-        st = m.store
-        for name, b in bags.items():
-            w = b.weight.detach()
-            width = st.widths[st.table_index(name)]
-            for i in range(0, w.shape[0], chunk_rows):
-                part = w[i:i + chunk_rows]
-                rec = torch.full((part.shape[0], width), st.optimizer.state_init(), dtype=torch.float32)
-                rec[:, :part.shape[1]] = part
-                st.import_records(name, torch.arange(i, i + part.shape[0]), rec)
+        m._import_weights({name: b.weight.detach() for name, b in bags.items()}, chunk_rows)
         return m
 
     @classmethod

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .batched import Ticket
+from .core.warm import available_cores
 from .errors import HierMemError, InvalidArgumentError
 from .features import SparseFeatures
 from .stats import IO
@@ -72,11 +73,7 @@ _PER_THREAD: bool | None = None
 
 def free_cores() -> int:
     """Cores this process may run on beyond the training thread's intra-op threads."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return cores - torch.get_num_threads()
+    return available_cores() - torch.get_num_threads()
 
 
 def choose_background(background: bool | str, device: torch.device) -> tuple[bool, str]:

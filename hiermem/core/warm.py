@@ -111,7 +111,8 @@ def _exercise_dataplane() -> None:
                     emb.store.close()
 
 
-def _cores() -> int:
+def available_cores() -> int:
+    """Cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -129,7 +130,7 @@ def _child_env() -> dict:
 
 def _start_child() -> subprocess.Popen | None:
     """A child process compiling part 1 (None on one core, or if it cannot start)."""
-    if _cores() < 2:
+    if available_cores() < 2:
         return None
     try:
         return subprocess.Popen([sys.executable, "-c", "from hiermem.core import warm; warm._exercise(1)"],

@@ -588,7 +588,7 @@ def _report(s: dict, out) -> None:
           f"{s['disk_hits']:,} lookups served by each tier; disk = read back from LMDB)", file=out)
     p = s["prefetch"]
     if p:
-        print(f"prefetch: depth {p['depth']}, {'background threads' if p['background'] else 'inline'} "
+        print(f"prefetch: depth {p['depth']}, { {'threads': 'background threads', 'inline': 'inline', 'foreground': 'off'}[p['mode']]} "
               f"({p['background_reason']}), {p['prefetched_batches']} batches, {p['prefetched_rows']} rows "
               f"brought up, {p['prefetch_hits']} ids served by prefetched rows, {p['late_batches']} late, "
               f"{p['prefetch_degraded']} degraded, effective depth min {p['min_effective_depth']} "

@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .batched import Ticket
-from .core.warm import available_cores
 from .errors import HierMemError, InvalidArgumentError
 from .features import SparseFeatures
+from .overlap import can_overlap
 from .stats import IO
 
 
@@ -71,33 +71,35 @@ def _per_thread_intra_op() -> bool:
 _PER_THREAD: bool | None = None
 
 
-def free_cores() -> int:
-    """Cores this process may run on beyond the training thread's intra-op threads."""
-    return available_cores() - torch.get_num_threads()
+MODES = ("threads", "inline", "foreground")
 
 
-def choose_background(background: bool | str, device: torch.device) -> tuple[bool, str]:
-    """Whether store jobs run on background threads, and why.
+def choose_background(background: bool | str, device: torch.device, lookahead: bool = False) -> tuple[str, str]:
+    """How the pipeline runs its store jobs, and why: ``"threads"`` (prefetch and
+    read-ahead on background threads), ``"inline"`` (the same jobs in the same order on
+    the training thread: same placements and counters, no overlap) or ``"foreground"``
+    (no prefetch and no read-ahead: each step's lookup places its own rows).
 
-    ``"auto"`` (the default; ``HIERMEM_BACKGROUND=threads|inline`` overrides it): threads
-    when something can overlap them, i.e. the device is a GPU (the host is free while it
-    computes) or a core is free beyond torch's intra-op threads; otherwise the same jobs
-    run inline, in the same order, on the training thread: on a CPU whose cores all run
-    the model's ops, a prefetch thread only takes cores from them (measured in
-    ``scripts/bench_train.py``: prefetch threads at 0.69x of no prefetch on 2 cores)."""
+    ``background=True``/``False`` ask for threads/inline.  ``"auto"`` (the default;
+    ``HIERMEM_BACKGROUND=threads|inline|foreground`` overrides it) decides from the
+    machine (:func:`hiermem.overlap.can_overlap`): threads where they can overlap the step
+    (a GPU, or a core free beside torch's intra-op threads); otherwise foreground, since
+    prefetching on the training thread only repeats the lookup's dedup and placement
+    (measured in ``scripts/bench_train.py`` on 2 cores: 0.93x of no prefetch inline,
+    0.69x on threads) — but inline for a lookahead policy, which learns the coming
+    batches' rows only through the pipeline."""
     if background == "auto":
         env = os.environ.get("HIERMEM_BACKGROUND", "auto").strip().lower()
-        if env in ("threads", "inline"):
-            return env == "threads", f"HIERMEM_BACKGROUND={env}"
-        if device.type == "cuda":
-            return True, "the device is a GPU: the host's threads overlap its compute"
-        free = free_cores()
-        if free > 0:
-            return True, f"{free} core(s) free beside torch's {torch.get_num_threads()} intra-op threads"
-        return False, (f"no core free beside torch's {torch.get_num_threads()} intra-op threads: "
-                       "prefetch and read-ahead run inline")
+        if env in MODES:
+            return env, f"HIERMEM_BACKGROUND={env}"
+        on, why = can_overlap(device)
+        if on:
+            return "threads", why
+        if lookahead:
+            return "inline", f"{why}: inline, for the lookahead policy's view of the coming batches"
+        return "foreground", f"{why}: no prefetch, each lookup places its own rows"
     if isinstance(background, bool):
-        return background, "asked for"
+        return ("threads" if background else "inline"), "asked for"
     raise InvalidArgumentError(f"background must be True, False or 'auto', got {background!r}")
 
 
@@ -253,9 +255,9 @@ class PrefetchPipeline:
         timeout: seconds a step waits for the prefetch thread before ``TimeoutError``.
         background: run prefetch and read-ahead on background threads (True), inline on
             the training thread in the same order (False: same placements and counters,
-            no overlap), or decide from the machine (``"auto"``, see
-            :func:`choose_background`; :attr:`background` and :attr:`background_reason`
-            say what was chosen).
+            no overlap), or decide from the machine (``"auto"``: threads where they can
+            overlap the step, else no prefetch at all; see :func:`choose_background`;
+            :attr:`mode` and :attr:`background_reason` say what was chosen).
 
     Yields the loader's batches unchanged.  Use as a context manager (or call
     :meth:`close`) so pins are released and the thread stops.
@@ -286,7 +288,9 @@ class PrefetchPipeline:
         self._index: dict[int, _Handle] = {}  # handles by batch index, while they may be needed
         self._nread = 0
         self._exhausted = False
-        self.background, self.background_reason = choose_background(background, self.store.device)
+        self.mode, self.background_reason = choose_background(background, self.store.device,
+                                                              lookahead=bool(self._window))
+        self.background = self.mode == "threads"
         self._worker = _Worker(self.store.device, inline=not self.background)
         self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead", inline=not self.background)
         self._keep = depth + 2 + self._window  # read-ahead batches the disk tier keeps
@@ -299,6 +303,8 @@ class PrefetchPipeline:
         self.min_effective_depth = depth
         self._closed = False
         self._initial: list[_Handle] = []
+        if self.mode == "foreground":  # batches pass through; the module's lookups place their rows
+            return
         self._fill()
         for h in self._initial:
             self._submit(h)
@@ -384,6 +390,14 @@ class PrefetchPipeline:
     def __next__(self):
         if self._closed:
             raise StopIteration
+        if self.mode == "foreground":
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self.close()
+                raise
+            self.steps += 1
+            return batch
         while self._live:  # batches whose backward never ran (eval, skipped): unpin them
             h = self._live.popleft()
             self.module._pending.pop(id(h.features), None)
@@ -411,7 +425,7 @@ class PrefetchPipeline:
         """Pipeline counters: steps, whether (and why) prefetch runs on background threads,
         seconds waited for prefetch, seconds of the background threads' store calls (prefetch and release; read-ahead), late batches, effective depth."""
         st = self.store.stats()["_store"]
-        return {"steps": self.steps, "depth": self.depth, "background": self.background,
+        return {"steps": self.steps, "depth": self.depth, "mode": self.mode, "background": self.background,
                 "background_reason": self.background_reason, "wait_seconds": self.wait_seconds,
                 "prefetch_seconds": self.prefetch_seconds, "read_ahead_seconds": self.read_ahead_seconds,
                 "late_batches": self.late_batches, "min_effective_depth": self.min_effective_depth,

@@ -36,6 +36,7 @@ from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidI
                      UnknownTableError)
 from .eviction import resolve_policy
 from .hashing import mix_scalar, uniform_rows
+from .overlap import resolve_write_behind
 from .core import plan as _plan
 from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
@@ -175,8 +176,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.path = Path(config.path).absolute()
         self._claim_path()
         try:
+            self.write_behind, self.write_behind_reason = resolve_write_behind(config.write_behind, self.device)
             self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
-                                  write_behind=config.write_behind, io_process=config.io_process,
+                                  write_behind=self.write_behind, io_process=config.io_process,
                                   writemap=config.writemap)
             try:
                 meta = self._disk.read_meta()
@@ -837,6 +839,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 "disk_write_queue_rows": self._disk.queued,
                 "disk_writemap": self._disk.writemap, "disk_io_processes": self._disk.io_processes,
                 "disk_io_failures": self._disk.io_failures,
+                "write_behind": self.write_behind, "write_behind_reason": self.write_behind_reason,
                 "flush_seq": self._flush_seq, "prefetch_depth": self.config.prefetch_depth,
                 "stale_temporaries_removed": self.stale_temporaries_removed,
             }

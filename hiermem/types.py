@@ -119,6 +119,10 @@ class StoreConfig:
             Off by default: a write that fails in the background (a full disk) is then
             retried and raised, typed, by the next call that writes or flushes, not by
             the lookup that evicted; nothing is lost (the rows stay queued).
+            ``"auto"``: on where the writer thread can overlap the step (a GPU, or a
+            core free beside torch's intra-op threads; :mod:`hiermem.overlap`), off
+            where it would only take a core from the step; the store's
+            ``write_behind``/``write_behind_reason`` say what was chosen.
         io_process: do the background LMDB I/O (read-ahead, write-behind) in a child
             process (lmdb and numpy only) instead of on the background thread itself.
             py-lmdb holds the GIL while it works, so in-thread background I/O stalls
@@ -148,7 +152,7 @@ class StoreConfig:
     seed: int = 0
     map_size: int = 1 << 28
     sync_writebacks: bool = False
-    write_behind: bool = False
+    write_behind: Union[bool, str] = False
     io_process: bool = True
     writemap: Optional[bool] = None
     trace_path: Optional[Union[str, os.PathLike]] = None
@@ -176,9 +180,11 @@ class StoreConfig:
             raise InvalidArgumentError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.map_size, int) or self.map_size < 1 << 20:
             raise InvalidArgumentError("map_size must be an int >= 1 MiB")
-        for name in ("sync_writebacks", "write_behind", "io_process"):
+        for name in ("sync_writebacks", "io_process"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidTypeError(f"{name} must be a bool")
+        if not isinstance(self.write_behind, bool) and self.write_behind != "auto":
+            raise InvalidTypeError(f"write_behind must be a bool or 'auto', got {self.write_behind!r}")
         if self.writemap is not None and not isinstance(self.writemap, bool):
             raise InvalidTypeError("writemap must be a bool or None")
         if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):

@@ -32,10 +32,14 @@ Time split (ms/step): ``dense`` = step - the training thread's store calls - ``w
 tier's timers (any thread); ``copies``: bytes moved device<->host over the gather/scatter
 rate measured here (an estimate); ``placement``: store calls (any thread) - copies - the
 LMDB time inside them; ``bg``: the prefetch and read-ahead threads' store time.  With
-prefetch the parts overlap and do not add up to the step.  Prefetch runs as the library
-decides by default (``PrefetchPipeline(background="auto")``: inline where no core is free
-beside torch's threads, as on 2 cores; ``HIERMEM_BACKGROUND=threads`` forces threads);
-each configuration reports ``prefetch_background``.  The PROJECTION (never mixed
+prefetch the parts overlap and do not add up to the step.  Prefetch and write-behind run as the
+library decides by default (``PrefetchPipeline(background="auto")``,
+``StoreConfig(write_behind="auto")``; :mod:`hiermem.overlap`): on background threads where
+they can overlap the step (a GPU, or a core free beside torch's intra-op threads), else as
+foreground work (no prefetch: each lookup places its own rows; write-backs committed in
+the step), as on 2 cores; ``HIERMEM_BACKGROUND=threads|inline`` forces the pipeline's
+mode.  Each configuration reports ``prefetch_background`` (threads, inline or
+foreground) and ``write_behind`` with its reason.  The PROJECTION (never mixed
 with measurements) feeds hiermem.sim.cost with this run's LMDB cost per row and a GPU
 host's published bandwidths.
 
@@ -297,7 +301,7 @@ def warm(tr: Trainer, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
     return n, False
 
 
-def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool, preload: bool,
+def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool | str, preload: bool,
                device: str = "cpu"):
     """A store restored from the template, every row loaded when ``preload``; counters zeroed."""
     store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb, device=device)
@@ -309,7 +313,7 @@ def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool
     return store
 
 
-def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: int, wb: bool = False,
+def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: int, wb: bool | str = False,
                preload: bool = False, cold: bool = False) -> dict:
     """Train one configuration (warm-up, then timed steps) and its interleaved baseline."""
     a, batches, t_start = ctx["args"], ctx["batches"], time.perf_counter()
@@ -322,14 +326,15 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
     t_pipe = time.perf_counter()
     pipe = hm.PrefetchPipeline(iter(batches), tr.model.embeddings, depth=depth) if depth else None
     it = pipe if pipe is not None else iter(batches)
-    background = pipe.background if pipe is not None else None
+    background = pipe.mode if pipe is not None else None
+    wb_on, wb_why = store.write_behind, store.write_behind_reason
     try:
         n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap, fill_host=not preload)
         if not cold:
             settle(store, pipe)
             s0 = snapshot(store, pipe)
         hs, bs, ws, med = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n, a.steps, t_pipe if cold else None)
-        res = figures(s0, snapshot(store, pipe), a.steps, a.batch, wb, ctx["rate"], hs, ws, background is False)
+        res = figures(s0, snapshot(store, pipe), a.steps, a.batch, wb_on, ctx["rate"], hs, ws, background == "inline")
     finally:
         if pipe is not None:
             pipe.close()
@@ -337,8 +342,8 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
         shutil.rmtree(path, ignore_errors=True)
     base = a.steps * a.batch / bs
     res.update(baseline_samples_per_s=base, over_baseline=med, over_baseline_sums=res["samples_per_s"] / base,
-               warmup_steps=n, settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb,
-               prefetch_background=background)
+               warmup_steps=n, settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb_on,
+               write_behind_asked=wb, write_behind_reason=wb_why, prefetch_background=background)
     print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
           f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
     return res
@@ -392,8 +397,8 @@ def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn
             for kind, host, depth, wb, pre in (("host_pf", total + 1024, DEPTH, False, True),
                                                ("disk", 8 * dev, 0, False, False),
                                                ("disk_pf", 8 * dev, DEPTH, False, False),
-                                               *((("disk_wb", 8 * dev, 0, True, False),
-                                                  ("disk_pf_wb", 8 * dev, DEPTH, True, False)) if m in wb_sizes else ())):
+                                               *((("disk_wb", 8 * dev, 0, "auto", False),
+                                                  ("disk_pf_wb", 8 * dev, DEPTH, "auto", False)) if m in wb_sizes else ())):
                 name = f"{wl.name}/{kind}@{m}W"
                 out[name] = run_config(ctx, wl, name, dev, host, depth, wb=wb, preload=pre)
         if a.cold:
@@ -433,7 +438,7 @@ def projection(res: dict, row_bytes: int) -> dict:
                       device_accesses_per_s=GPU_HBM_BPS / row_bytes)
     out = {"lmdb_read_us_per_row_here": round(rd * 1e6, 3), "lmdb_write_us_per_row_here": round(wr * 1e6, 3)}
     for k, c in res.items():
-        if "/disk" not in k or c["write_behind"]:
+        if "/disk" not in k or c["write_behind_asked"]:
             continue
         b = c["bytes_per_step"]
         st = model.estimate(1, 0, b["bytes_host_to_device"], b["bytes_device_to_host"], b["bytes_disk_to_host"],
@@ -480,13 +485,14 @@ def print_table(res: dict) -> None:
     """One row per configuration: ratio, warm-up, hit rates, rows crossing, ms split (stderr)."""
     p = lambda s: print(s, file=sys.stderr)  # noqa: E731
     p(f"\n{'configuration':26s} {'x base':>6s} {'warm':>4s} {'hit dev/host/disk':>17s} "
-      f"{'rows/step h>d d>h k>h h>k':>28s}  {'ms/step: step dense place copy read write wait bg':>56s}")
+      f"{'rows/step h>d d>h k>h h>k':>28s}  {'ms/step: step dense place copy read write wait bg':>56s}  prefetch/write-backs")
     for k, c in res.items():
         h, r, m = c["hit_rates"], c["rows_per_step"], c["ms_per_step"]
         p(f"{k:26s} {c['over_baseline']:6.3f} {c['warmup_steps']:4d} {h['device']:5.3f}/{h['host']:5.3f}/{h['disk']:5.3f}"
           f" {r['host_to_device']:7.0f}{r['device_to_host']:7.0f}{r['disk_to_host']:7.0f}{r['host_to_disk']:6.0f}"
           f"          {m['step']:7.1f}{m['dense']:6.1f}{m['placement']:6.1f}{m['copies']:5.1f}{m['lmdb_read']:6.1f}"
-          f"{m['lmdb_write']:6.1f}{m['wait']:6.1f}{m['bg']:6.1f}")
+          f"{m['lmdb_write']:6.1f}{m['wait']:6.1f}{m['bg']:6.1f}  {c['prefetch_background'] or '-'}/"
+          f"{'behind' if c['write_behind'] else 'in step'}")
 
 
 def summary(res: dict, Ws: dict, proj: dict, png: Path, a) -> dict:
@@ -511,7 +517,8 @@ def summary(res: dict, Ws: dict, proj: dict, png: Path, a) -> dict:
                             "samples_per_s": round(c["samples_per_s"], 1),
                             "baseline_samples_per_s": round(c["baseline_samples_per_s"], 1),
                             "warmup_steps": c["warmup_steps"], "hit_rates": c["hit_rates"],
-                            "rows_per_step": c["rows_per_step"], "ms_per_step": c["ms_per_step"]}
+                            "rows_per_step": c["rows_per_step"], "ms_per_step": c["ms_per_step"],
+                            "prefetch": c["prefetch_background"], "write_behind": c["write_behind"]}
                         for k, c in res.items()},
             "projection_gpu_host": proj}
 

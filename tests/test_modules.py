@@ -401,19 +401,59 @@ def test_inline_prefetch_equals_background_threads(tmp_path):
 
 
 def test_background_auto_decides_from_the_machine(monkeypatch):
+    from hiermem import overlap
     from hiermem import pipeline as pl
 
     monkeypatch.setenv("HIERMEM_BACKGROUND", "auto")
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(pl, "free_cores", lambda: 0)
-    on, why = pl.choose_background("auto", cpu)
-    assert not on and "inline" in why
-    assert pl.choose_background("auto", gpu)[0]  # a GPU computes while the host's threads work
-    monkeypatch.setattr(pl, "free_cores", lambda: 2)
-    assert pl.choose_background("auto", cpu) == (True, "2 core(s) free beside torch's "
+    monkeypatch.setattr(overlap, "free_cores", lambda: 0)
+    mode, why = pl.choose_background("auto", cpu)
+    assert mode == "foreground" and "no core free" in why and "no prefetch" in why
+    assert pl.choose_background("auto", cpu, lookahead=True)[0] == "inline"  # it learns the coming rows
+    assert pl.choose_background("auto", gpu)[0] == "threads"  # a GPU computes while the host's threads work
+    assert overlap.resolve_write_behind("auto", cpu)[0] is False
+    assert overlap.resolve_write_behind("auto", gpu)[0] is True
+    monkeypatch.setattr(overlap, "free_cores", lambda: 2)
+    assert pl.choose_background("auto", cpu) == ("threads", "2 core(s) free beside torch's "
                                                  f"{torch.get_num_threads()} intra-op threads")
-    assert pl.choose_background(False, cpu)[0] is False and pl.choose_background(True, cpu)[0] is True
+    assert overlap.resolve_write_behind("auto", cpu)[0] is True
+    assert overlap.resolve_write_behind(False, cpu) == (False, "asked for")
+    assert pl.choose_background(False, cpu)[0] == "inline" and pl.choose_background(True, cpu)[0] == "threads"
     monkeypatch.setenv("HIERMEM_BACKGROUND", "inline")
-    assert pl.choose_background("auto", cpu)[0] is False
+    assert pl.choose_background("auto", cpu)[0] == "inline"
+    monkeypatch.setenv("HIERMEM_BACKGROUND", "foreground")
+    assert pl.choose_background("auto", cpu)[0] == "foreground"
     with pytest.raises(hm.InvalidArgumentError, match="background"):
         pl.choose_background("sometimes", cpu)
+    with pytest.raises(hm.InvalidTypeError, match="write_behind"):
+        hm.StoreConfig(path="x", write_behind="sometimes")
+
+
+def test_foreground_pipeline_equals_no_pipeline(tmp_path, monkeypatch):
+    """Where nothing can overlap, the pipeline prefetches nothing: the same losses, rows
+    and counters as training without it."""
+    monkeypatch.setenv("HIERMEM_BACKGROUND", "foreground")
+    got_fg, got_none = [], []
+    lf, ff, sf = _train("hm", "rowwise_adagrad", 30, tmp_path, depth=2, device_rows=120, host_rows=200,
+                        counters=got_fg)
+    ln, fn, _ = _train("hm", "rowwise_adagrad", 30, tmp_path / "none", depth=0, device_rows=120, host_rows=200,
+                       counters=got_none)
+    assert lf == ln
+    for n in ff:
+        assert torch.equal(ff[n], fn[n])
+    assert torch.equal(got_fg[0][0], got_none[0][0]) and torch.equal(got_fg[0][1], got_none[0][1])
+    assert sf["mode"] == "foreground" and sf["background"] is False and sf["steps"] == 30
+    assert sf["prefetched_batches"] == 0 and sf["late_batches"] == 0
+
+
+def test_write_behind_auto_is_reported(tmp_path, monkeypatch):
+    from hiermem import overlap
+
+    for free, on in ((0, False), (1, True)):
+        monkeypatch.setattr(overlap, "free_cores", lambda: free)
+        s = hm.HierarchicalStore(_tables(), hm.StoreConfig(path=tmp_path / f"wb{free}", device_rows=8, host_rows=16,
+                                                           write_behind="auto"))
+        st = s.stats()["_store"]
+        assert s.write_behind is on and st["write_behind"] is on and st["write_behind_reason"].startswith("auto: ")
+        assert s._disk.write_behind is on
+        s.close()

@@ -378,8 +378,8 @@ def test_adam_through_the_module_equals_sparse_adam_with_empty_tables(tmp_path):
 
 
 def test_inline_prefetch_equals_background_threads(tmp_path):
-    """Prefetch and read-ahead inline on the training thread (the default where no core is
-    free) make the same store calls in the same order as the threads: same losses, rows
+    """Prefetch and read-ahead inline on the training thread (``background=False``; the
+    default for a lookahead policy where no core is free) make the same store calls in the same order as the threads: same losses, rows
     and counters, exactly."""
     runs = {}
     for bg in (True, False):

@@ -20,6 +20,11 @@ prefetch (or lookup) then places them from the disk tier's cache.  A read-ahead 
 nothing but speed (a record written since is dropped), so that thread needs no place in
 the fixed order above.
 
+Where nothing can overlap the background work (no GPU, no core free beside torch's
+intra-op threads), ``background="auto"`` runs the pipeline in ``"foreground"`` mode: no
+prefetch and no read-ahead, each lookup places its own rows (see
+:func:`choose_background`).
+
 Thread-safety: the loader is iterated on the caller's thread; only store calls run on
 the background threads, under the store's lock (but for the read-ahead's LMDB read).
 """

@@ -53,7 +53,7 @@ from hiermem.tiers.records import encode_keys_v1
 
 W = 16
 TABLES = 8
-WIDTHS = (9, 17, 33, 68)  # floats per record, table t: WIDTHS[t % 4] (dim 8..64 + row-wise state)
+WIDTHS = [9, 17, 33, 68]  # floats per record, table t: WIDTHS[t % len(WIDTHS)] (dim 8..64 + row-wise state)
 
 
 def foreground(seconds: float) -> float:
@@ -142,7 +142,7 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
     try:
         per = rows // TABLES
         for t in range(TABLES):
-            w = WIDTHS[t % 4]
+            w = WIDTHS[t % len(WIDTHS)]
             for i in range(0, per, 100_000):
                 ids = np.arange(i, min(per, i + 100_000))
                 d.write([(t, ids, np.zeros((len(ids), w), dtype=np.float32))])
@@ -150,19 +150,19 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
                     txn.cursor().putmulti(zip(encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist(),
                                               value_list(np.zeros((len(ids), w), dtype=np.float32))), append=True)
         dbs = [d._db(t) for t in range(TABLES)]
-        meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": WIDTHS[t % 4]} for t in range(TABLES)], "seed": 0}
+        meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": WIDTHS[t % len(WIDTHS)]} for t in range(TABLES)], "seed": 0}
         rng = np.random.default_rng(2)
         names = ("read_store", "read_raw", "read_raw_v1", "write_store", "write_raw", "write_raw_v1", "convert")
         times = {k: [] for k in names}
         for r in range(-2, reps):  # two untimed rounds first (pages, the map's size)
             groups = step_rows(rng, rows, n)
             m = sum(len(ids) for _, ids in groups)
-            recs = [(t, ids, rng.random((len(ids), WIDTHS[t % 4]), dtype=np.float32)) for t, ids in groups]
+            recs = [(t, ids, rng.random((len(ids), WIDTHS[t % len(WIDTHS)]), dtype=np.float32)) for t, ids in groups]
             keys = [key_list(ids) for _, ids in groups]
             items = [list(zip(k, value_list(rec))) for k, (_, _, rec) in zip(keys, recs)]
             keys1 = [encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist() for t, ids in groups]
             items1 = [list(zip(k, value_list(rec))) for k, (_, _, rec) in zip(keys1, recs)]
-            ops = {"read_store": lambda: [d.read(t, ids, WIDTHS[t % 4]) for t, ids in groups],
+            ops = {"read_store": lambda: [d.read(t, ids, WIDTHS[t % len(WIDTHS)]) for t, ids in groups],
                    "read_raw": lambda: raw_read(d.env, dbs, keys),
                    "read_raw_v1": lambda: raw_read(env1, [rows1] * TABLES, keys1),
                    "write_store": lambda: d.write(recs, meta=meta),
@@ -201,11 +201,15 @@ def main(argv=None) -> int:
     ap.add_argument("--step-rows", type=int, default=2_000, help="ids drawn per step for the per-row costs")
     ap.add_argument("--reps", type=int, default=None, help="steps timed for the per-row costs (default 60, quick 30)")
     ap.add_argument("--per-row-only", action="store_true", help="only the per-row costs (no overlap phases)")
+    ap.add_argument("--widths", type=int, nargs="+", default=None,
+                    help="floats per record of the tables, cycled (default 9 17 33 68: 36-272 B)")
     a = ap.parse_args(argv)
     if not lmdb_process.supported():
         print("bench_io: I/O processes need Linux", file=sys.stderr)
         return 0
     rows = a.rows or (200_000 if a.quick else 800_000)
+    if a.widths:
+        WIDTHS[:] = a.widths
     per_row_rows = a.rows or (960_000 if a.quick else 4_000_000)  # bench_train --quick: 8 x 120k
     seconds = a.seconds or (3.0 if a.quick else 8.0)
     tmp = Path(tempfile.mkdtemp(prefix="hiermem-bench-io-"))

@@ -21,12 +21,14 @@ records are 36, 68, 132 and 272 bytes, as row-wise Adagrad tables of dim 8 to 64
 them; bench_train moves ~1.7-2.2k rows a step each way), against a raw py-lmdb loop
 over the same keys in the same environment and run (per table a sorted ``getmulti`` and
 one buffer of values; ``putmulti`` in one transaction of prepared keys and values), in
-alternating order; medians of ``--reps``.  ``*_store_over_raw`` is the store's overhead
-(target <= 1.3); ``convert_us_per_row`` is the part of it that makes py-lmdb's key and
+alternating order; medians (and minima) of ``--reps`` steps, ratios the median of the
+steps' ratios.  ``*_store_over_raw`` is the store's overhead (target <= 1.3); ``convert_us_per_row`` is the part of it that makes py-lmdb's key and
 value objects from the id and record arrays (the raw loop gets them made).  The same
 raw loop over the same rows in an environment of format version 1 (one ``rows``
 database, 12-byte big-endian keys compared as bytes), beside it in the same run, is the
-before of the format change: ``*_raw_v2_over_v1``.
+before of the format change: ``*_raw_v2_over_v1``.  Store, raw loop and version-1 raw
+loop each have an environment of their own with the same rows, opened as the store opens
+its own (flags, preallocated ``writemap`` map).
 
     python scripts/bench_io.py [--quick] [--per-row-only]
 """
@@ -114,11 +116,11 @@ def raw_read(env, dbs: list, keys: list[list[bytes]]) -> list[np.ndarray]:
                 for db, k in zip(dbs, keys)]
 
 
-def raw_write(env, dbs: list, items: list[list[tuple[bytes, bytes]]]) -> None:
-    """Raw py-lmdb: one transaction, per table one ``putmulti`` of prepared (key, value) pairs."""
-    with env.begin(write=True) as txn:
-        for db, it in zip(dbs, items):
-            txn.cursor(db=db).putmulti(it)
+def raw_write(tier: DiskTier, dbs: list, items: list[list[tuple[bytes, bytes]]]) -> None:
+    """Raw py-lmdb: one transaction, per table one ``putmulti`` of prepared (key, value)
+    pairs (through the tier's transaction wrapper only so that a full map grows as for the
+    store)."""
+    tier._write_txn(lambda txn: [txn.cursor(db=db).putmulti(it) for db, it in zip(dbs, items)])
 
 
 def step_rows(rng, rows: int, n: int) -> list[tuple[int, np.ndarray]]:
@@ -127,30 +129,47 @@ def step_rows(rng, rows: int, n: int) -> list[tuple[int, np.ndarray]]:
     return [(t, np.unique(rng.integers(0, per, n // TABLES))) for t in range(TABLES)]
 
 
-def v1_env(path: Path, writemap: bool) -> tuple[lmdb.Environment, object]:
-    """An environment of format version 1 (one ``rows`` database), the store's flags."""
-    env = lmdb.open(str(path), map_size=1 << 34, max_dbs=4, readahead=False, meminit=False, sync=False,
-                    writemap=writemap)
-    return env, env.open_db(b"rows")
+def raw_tier(path: Path, version: int) -> tuple[DiskTier, list]:
+    """An environment opened as the store opens its own (same flags, same preallocated
+    map; its ``env`` used raw), in format ``version``: its databases, one per table
+    (version 2) or ``rows`` for every table (version 1)."""
+    if version == 1:  # the layout version 1 made; the tier opens it for its metadata only
+        env = lmdb.open(str(path), map_size=1 << 20, max_dbs=4)
+        env.open_db(b"rows")
+        env.open_db(b"meta")
+        env.close()
+        tier = DiskTier(path, create=False, sync=False, writemap=None)
+        return tier, [tier.rows_db] * TABLES
+    tier = DiskTier(path, create=True, sync=False, writemap=None, tables=TABLES)
+    return tier, [tier._db(t) for t in range(TABLES)]
+
+
+def _fill(d: DiskTier, raws: dict, per: int) -> None:
+    """Every row of every table (zeros) in the store's environment and the raw ones."""
+    for t in range(TABLES):
+        w = WIDTHS[t % len(WIDTHS)]
+        for i in range(0, per, 100_000):
+            ids = np.arange(i, min(per, i + 100_000))
+            zeros = np.zeros((len(ids), w), dtype=np.float32)
+            d.write([(t, ids, zeros)])
+            for v, (tier, dbs) in raws.items():
+                keys = key_list(ids) if v == 2 else encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist()
+                tier._write_txn(lambda txn: txn.cursor(db=dbs[t]).putmulti(zip(keys, value_list(zeros)), append=True))
 
 
 def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
     """us per row of the store's batched read and write of a step's rows vs raw py-lmdb,
-    in this format and (raw) in version 1's."""
-    d = DiskTier(path / "v2", create=True, sync=False, writemap=None, tables=TABLES)  # the store's defaults
-    env1, rows1 = v1_env(path / "v1", d.writemap)
+    in this format and (raw) in version 1's.  Three environments with the same rows and
+    flags (the store's, the raw loop's, the version-1 raw loop's), each read and written
+    once a step, so each one's pages age alike."""
+    d = DiskTier(path / "store", create=True, sync=False, writemap=None, tables=TABLES)  # the store's defaults
+    raws = {2: raw_tier(path / "raw", 2), 1: raw_tier(path / "raw-v1", 1)}
     try:
         per = rows // TABLES
-        for t in range(TABLES):
-            w = WIDTHS[t % len(WIDTHS)]
-            for i in range(0, per, 100_000):
-                ids = np.arange(i, min(per, i + 100_000))
-                d.write([(t, ids, np.zeros((len(ids), w), dtype=np.float32))])
-                with env1.begin(write=True, db=rows1) as txn:
-                    txn.cursor().putmulti(zip(encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist(),
-                                              value_list(np.zeros((len(ids), w), dtype=np.float32))), append=True)
-        dbs = [d._db(t) for t in range(TABLES)]
-        meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": WIDTHS[t % len(WIDTHS)]} for t in range(TABLES)], "seed": 0}
+        _fill(d, raws, per)
+        (tier2, dbs2), (tier1, dbs1) = raws[2], raws[1]
+        meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": WIDTHS[t % len(WIDTHS)]} for t in range(TABLES)],
+                "seed": 0}
         rng = np.random.default_rng(2)
         names = ("read_store", "read_raw", "read_raw_v1", "write_store", "write_raw", "write_raw_v1", "convert")
         times = {k: [] for k in names}
@@ -163,11 +182,11 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
             keys1 = [encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist() for t, ids in groups]
             items1 = [list(zip(k, value_list(rec))) for k, (_, _, rec) in zip(keys1, recs)]
             ops = {"read_store": lambda: [d.read(t, ids, WIDTHS[t % len(WIDTHS)]) for t, ids in groups],
-                   "read_raw": lambda: raw_read(d.env, dbs, keys),
-                   "read_raw_v1": lambda: raw_read(env1, [rows1] * TABLES, keys1),
+                   "read_raw": lambda: raw_read(tier2.env, dbs2, keys),
+                   "read_raw_v1": lambda: raw_read(tier1.env, dbs1, keys1),
                    "write_store": lambda: d.write(recs, meta=meta),
-                   "write_raw": lambda: raw_write(d.env, dbs, items),
-                   "write_raw_v1": lambda: raw_write(env1, [rows1] * TABLES, items1),
+                   "write_raw": lambda: raw_write(tier2, dbs2, items),
+                   "write_raw_v1": lambda: raw_write(tier1, dbs1, items1),
                    "convert": lambda: [(key_list(ids), value_list(rec)) for _, ids, rec in recs]}
             order = list(ops) if r % 2 else list(reversed(ops))
             for k in order:
@@ -177,15 +196,20 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
                     times[k].append((time.perf_counter() - t0) / m * 1e6)
     finally:
         d.close()
-        env1.close()
-    us = {k: float(np.median(v)) for k, v in times.items()}
-    return {**{f"{k}_us_per_row": round(v, 3) for k, v in us.items()},
-            "read_store_over_raw": round(us["read_store"] / us["read_raw"], 3),
-            "write_store_over_raw": round(us["write_store"] / us["write_raw"], 3),
-            "read_raw_v2_over_v1": round(us["read_raw"] / us["read_raw_v1"], 3),
-            "write_raw_v2_over_v1": round(us["write_raw"] / us["write_raw_v1"], 3),
-            "read_store_over_raw_v1": round(us["read_store"] / us["read_raw_v1"], 3),
-            "write_store_over_raw_v1": round(us["write_store"] / us["write_raw_v1"], 3),
+        for tier, _ in raws.values():
+            tier.close()
+    t = {k: np.array(v) for k, v in times.items()}
+
+    def ratio(a: str, b: str) -> float:  # median of the steps' ratios: each pair ran side by side
+        return round(float(np.median(t[a] / t[b])), 3)
+    return {**{f"{k}_us_per_row": round(float(np.median(v)), 3) for k, v in t.items()},
+            **{f"{k}_us_per_row_min": round(float(v.min()), 3) for k, v in t.items()},
+            "read_store_over_raw": ratio("read_store", "read_raw"),
+            "write_store_over_raw": ratio("write_store", "write_raw"),
+            "read_raw_v2_over_v1": ratio("read_raw", "read_raw_v1"),
+            "write_raw_v2_over_v1": ratio("write_raw", "write_raw_v1"),
+            "read_store_over_raw_v1": ratio("read_store", "read_raw_v1"),
+            "write_store_over_raw_v1": ratio("write_store", "write_raw_v1"),
             "rows_per_step": m, "writemap": d.writemap, "reps": reps}
 
 

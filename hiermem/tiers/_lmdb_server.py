@@ -130,7 +130,7 @@ def _write(env, dbs, np, meta_db, raw: bytes) -> None:
         off += 16
         ids = np.frombuffer(raw, dtype=np.uint64, count=n, offset=off)
         off += 8 * n
-        vals = [raw[i:i + rb] for i in range(off, off + rb * n, rb)]
+        vals = np.frombuffer(raw, dtype=f"V{rb}", count=n, offset=off).tolist()  # n values of rb bytes
         off += rb * n
         db = dbs(table)
         if db is None:

@@ -19,11 +19,12 @@ Then the LMDB cost per row: microseconds per row of the store's batched read (on
 write-back) of one step's rows (``--step-rows`` distinct rows over 8 tables whose
 records are 36, 68, 132 and 272 bytes, as row-wise Adagrad tables of dim 8 to 64 hold
 them; bench_train moves ~1.7-2.2k rows a step each way), against a raw py-lmdb loop
-over the same keys in the same environment and run (per table a sorted ``getmulti`` and
-one buffer of values; ``putmulti`` in one transaction of prepared keys and values), in
-alternating order; medians (and minima) of ``--reps`` steps, ratios the median of the
-steps' ratios.  ``*_store_over_raw`` is the store's overhead (target <= 1.3); ``convert_us_per_row`` is the part of it that makes py-lmdb's key and
-value objects from the id and record arrays (the raw loop gets them made).  The same
+over the same keys in the same run (per table a sorted ``getmulti`` and one buffer of
+values; ``putmulti`` in one transaction of prepared keys and values), in alternating
+order; medians (and minima) of ``--reps`` steps, ratios the median of the steps'
+ratios.  ``*_store_over_raw`` is the store's overhead (target <= 1.3);
+``convert_us_per_row`` is the part of it that makes py-lmdb's key and value objects
+from the id and record arrays (the raw loop gets them made).  The same
 raw loop over the same rows in an environment of format version 1 (one ``rows``
 database, 12-byte big-endian keys compared as bytes), beside it in the same run, is the
 before of the format change: ``*_raw_v2_over_v1``.  Store, raw loop and version-1 raw
@@ -153,7 +154,8 @@ def _fill(d: DiskTier, raws: dict, per: int) -> None:
             zeros = np.zeros((len(ids), w), dtype=np.float32)
             d.write([(t, ids, zeros)])
             for v, (tier, dbs) in raws.items():
-                keys = key_list(ids) if v == 2 else encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist()
+                keys = (key_list(ids) if v == 2
+                        else encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist())
                 tier._write_txn(lambda txn: txn.cursor(db=dbs[t]).putmulti(zip(keys, value_list(zeros)), append=True))
 
 
@@ -252,11 +254,12 @@ def main(argv=None) -> int:
             print(f"bench_io: {rows} rows x {W} floats; per background round {a.reads} reads + {a.writes} writes, "
                   f"at most {a.rate:g} rounds/s", file=sys.stderr)
             print(f"  foreground alone        {alone:9.0f} units/s", file=sys.stderr)
-            print(f"  beside in-thread I/O    {fg_t:9.0f} units/s  x{fg_t / alone:.2f}   background {bg_t:6.1f} rounds/s",
-                  file=sys.stderr)
-            print(f"  beside the I/O process  {fg_p:9.0f} units/s  x{fg_p / alone:.2f}   background {bg_p:6.1f} rounds/s",
-                  file=sys.stderr)
-            out = {"fg_in_thread_over_alone": round(fg_t / alone, 3), "fg_io_process_over_alone": round(fg_p / alone, 3),
+            print(f"  beside in-thread I/O    {fg_t:9.0f} units/s  x{fg_t / alone:.2f}   "
+                  f"background {bg_t:6.1f} rounds/s", file=sys.stderr)
+            print(f"  beside the I/O process  {fg_p:9.0f} units/s  x{fg_p / alone:.2f}   "
+                  f"background {bg_p:6.1f} rounds/s", file=sys.stderr)
+            out = {"fg_in_thread_over_alone": round(fg_t / alone, 3),
+                   "fg_io_process_over_alone": round(fg_p / alone, 3),
                    "bg_io_process_over_in_thread": round(bg_p / bg_t, 3), "rate": a.rate, "rows": rows}
         load = os.getloadavg()[0]
         cost = per_row_costs(tmp / "per-row", per_row_rows, a.step_rows, a.reps or (30 if a.quick else 60))
@@ -267,9 +270,10 @@ def main(argv=None) -> int:
           f"{'/'.join(str(4 * w) for w in WIDTHS)} B, writemap {cost['writemap']} (median us/row of {cost['reps']}; "
           f"load average {load:.2f}):", file=sys.stderr)
     for op in ("read", "write"):
-        print(f"  {op:5s}  store {cost[op + '_store_us_per_row']:6.3f}   raw py-lmdb {cost[op + '_raw_us_per_row']:6.3f}"
-              f"   store/raw x{cost[op + '_store_over_raw']:.2f}   raw in format 1 {cost[op + '_raw_v1_us_per_row']:6.3f}"
-              f"   raw now/format 1 x{cost[op + '_raw_v2_over_v1']:.2f}", file=sys.stderr)
+        c = {k[len(op) + 1:]: v for k, v in cost.items() if k.startswith(op + "_")}
+        print(f"  {op:5s}  store {c['store_us_per_row']:6.3f}   raw py-lmdb {c['raw_us_per_row']:6.3f}"
+              f"   store/raw x{c['store_over_raw']:.2f}   raw in format 1 {c['raw_v1_us_per_row']:6.3f}"
+              f"   raw now/format 1 x{c['raw_v2_over_v1']:.2f}", file=sys.stderr)
     print(f"  the store's key and value objects (py-lmdb's input): {cost['convert_us_per_row']:.3f} us/row",
           file=sys.stderr)
     print(json.dumps({**out, **cost, "per_row_rows": per_row_rows, "load_avg": round(load, 2), "quick": a.quick}))

@@ -185,6 +185,7 @@ def test_restoring_a_version_1_checkpoint_migrates_the_copy_only(tmp_path):
         ids, rec = s.export("third")
         assert ids.tolist() == list(range(0, 100, 2))
     assert _names(tmp_path / "ck") == {b"meta", b"rows"}
+    assert _names(tmp_path / "r") == {b"meta", b"t0", b"t1", b"t2"}  # the copy migrated
 
 
 def test_writes_append_past_the_last_key_and_put_the_rest(tmp_path):

@@ -25,6 +25,7 @@ writes; each read is one LMDB read transaction, a snapshot of the last commit.
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ from .write_behind import WRITE_BEHIND_BATCHES, WriteBehind, _Queued  # noqa: F4
 
 COMMIT_ATTEMPTS = 2  # a commit that failed with an I/O error is tried once more (LMDB aborted it whole)
 MIGRATE_CHUNK = 1 << 16  # version-1 rows copied per transaction of a migration
+_KEY, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def put_sorted(cur: lmdb.Cursor, ids: np.ndarray, rec: np.ndarray) -> None:
@@ -203,7 +205,9 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         (nothing of it was ever written).  Opening one takes a transaction of its own: call
         it outside of any."""
         db = self._dbs.get(table)
-        if db is None and not (self.readonly and create):
+        if db is not None:
+            return db
+        if not (self.readonly and create):
             if table + 4 > self._max_dbs:
                 raise HierMemError(f"{self.path}: table {table} is beyond the {self._max_dbs - 4} tables this "
                                    "handle was opened for")
@@ -308,8 +312,10 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         Rows not found are left zero in ``records``; duplicate ids get the same record.
         Queued write-backs win over LMDB (the newest queued record of a row is its value).
         """
-        with self._wq_cv:  # before reading LMDB: a batch committed meanwhile is still here
-            queued = list(self._wq)
+        queued = []
+        if self.write_behind:  # else nothing is ever queued
+            with self._wq_cv:  # before reading LMDB: a batch committed meanwhile is still here
+                queued = list(self._wq)
         found, out = self._read(table, ids, width)
         for q in queued:  # oldest first: the newest wins
             for t, qids, qrec in q.groups:
@@ -387,14 +393,14 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         ``order``'s positions (None: ``sids`` are the positions' own order)."""
         if not res:
             return
-        raw = b"".join([kv[1] for kv in res])
+        raw = b"".join(map(_VALUE, res))
         if len(raw) != len(res) * width * 4:
             raise StoreFormatError(self.path, f"corrupt store: table {table} records are not {width} floats")
         rec = np.frombuffer(raw, dtype="<f4").reshape(len(res), width)
         if len(res) == len(sids):  # every row found (the usual case): no key to match
             pos = slice(None) if order is None else order
         else:
-            pos = np.searchsorted(sids, decode_keys(b"".join([kv[0] for kv in res])))
+            pos = np.searchsorted(sids, decode_keys(b"".join(map(_KEY, res))))
             if order is not None:
                 pos = order[pos]
         found[pos] = True

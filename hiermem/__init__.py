@@ -9,6 +9,7 @@ from .errors import (CapacityError, DiskFullError, HierMemError, InvalidArgument
                      StoreClosedError, StoreFormatError, UnknownTableError)
 from .errors import MissingDependencyError, TraceFormatError  # offline policy tuning (hiermem.sim)
 from .errors import ReadOnlyStoreError, StoreIOError  # hardening and read-only readers (issue 19)
+from .errors import StoreVersionError  # the disk format version (issue 16)
 from .features import SparseFeatures
 from .eviction import LFU, LRU, POLICIES, EvictionPolicy, PolicySpec, register_policy, resolve_policy
 from .metrics import STORES, MetricsRegistry, StoreCollector, serve_metrics
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MissingDependencyError", "TraceFormatError",
-    "ReadOnlyStoreError", "StoreIOError",
+    "ReadOnlyStoreError", "StoreIOError", "StoreVersionError",
     "Adagrad", "Adam", "CachedEmbeddingBagCollection", "PrefetchPipeline", "Ticket", "CapacityError", "DiskFullError", "EvictionPolicy", "HierMemError", "HierarchicalStore",
     "IO", "InvalidArgumentError", "MetricsRegistry", "STORES", "StoreCollector", "InvalidIdError", "InvalidTypeError", "LFU", "LRU", "LayoutMismatchError",
     "NonFiniteGradientError", "Optimizer", "POLICIES", "PolicyFileError", "PolicySpec", "RowWiseAdagrad", "SGD", "SparseFeatures",

@@ -37,7 +37,7 @@ import torch
 
 from .errors import (DiskFullError, HierMemError, InvalidArgumentError, NonFiniteGradientError, StoreFormatError,
                      StoreIOError)
-from .tiers.disk import KEY_DTYPE, DiskTier, _disk_full
+from .tiers.disk import DiskTier, _disk_full, decode_keys
 
 _FILES = ("data.mdb",)
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?:tmp|restore)-(?P<pid>[0-9]+)")
@@ -307,18 +307,14 @@ class Checkpointing:
             ti = self.table_index(table)
             self.flush()
             w = self.widths[ti]
-            start = np.array([(ti, 0)], dtype=KEY_DTYPE).view("S12")[0]
             keys, vals = [], []
-            with self._disk.env.begin(db=self._disk.rows_db, buffers=False) as txn:
-                cur = txn.cursor()
-                if cur.set_range(bytes(start.ljust(12, b"\0"))):
-                    prefix = bytes(start.ljust(12, b"\0"))[:4]
-                    for k, v in cur:
-                        if k[:4] != prefix:
-                            break
+            db = self._disk._db(ti)  # None: nothing of the table was ever written
+            if db is not None:
+                with self._disk.env.begin(db=db, buffers=False) as txn:
+                    for k, v in txn.cursor():
                         keys.append(k)
                         vals.append(v)
-            ids = np.frombuffer(b"".join(keys), dtype=KEY_DTYPE)["k"].astype(np.int64)
+            ids = decode_keys(b"".join(keys)).astype(np.int64)
             rec = np.frombuffer(b"".join(vals), dtype="<f4").reshape(len(keys), w)
             return torch.from_numpy(ids.copy()), torch.from_numpy(rec.copy())
 

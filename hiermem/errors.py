@@ -53,6 +53,15 @@ class StoreFormatError(HierMemError):
         self.reason = reason
 
 
+class StoreVersionError(StoreFormatError):
+    """The store's on-disk format version is one this hiermem does not read here: an older
+    one that only a writable open migrates, or a newer one.  ``version`` is the store's."""
+
+    def __init__(self, path, version, reason: str):
+        super().__init__(path, reason)
+        self.version = version
+
+
 class LayoutMismatchError(StoreFormatError):
     """The store on disk was created with a different table layout or optimizer."""
 

@@ -40,7 +40,7 @@ from .checkpoint import READERS_LOCK
 from .errors import HierMemError, InvalidArgumentError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .optim import optimizer_from_dict
 from .store import _OPEN, _OPEN_LOCK, _READERS, HierarchicalStore, dedup, initial_records
-from .tiers.disk import KEY_DTYPE, META_KEY, DiskTier, encode_keys, key_list, parse_meta
+from .tiers.disk import META_KEY, DiskTier, decode_keys, id_keys, key_list, parse_meta
 from .types import TableSpec
 
 _WRITES = ("update", "update_with_row_stat", "write", "flush", "checkpoint", "import_records", "clear",
@@ -56,6 +56,8 @@ class ReadOnlyStore:
         device: where looked-up rows are returned (default ``"cpu"``).
 
     Raises:
+        StoreVersionError: the store's format version is 1 (a writable open migrates
+            it) or one this hiermem does not know.
         StoreFormatError: ``path`` is not a hiermem store.
         HierMemError: the store is open for writing in this process, already has a
             read-only handle in this process, or is being restored.
@@ -154,18 +156,20 @@ class ReadOnlyStore:
     def _read(self, ti: int, u: torch.Tensor) -> torch.Tensor:
         """Records of distinct sorted ids ``u`` and the snapshot's flush number."""
         w, n = self.widths[ti], u.numel()
-        keys = encode_keys(np.full(n, ti, dtype=np.uint32), u.numpy().astype(np.uint64))
+        ids = id_keys(u.numpy())  # sorted and distinct (dedup)
         disk = self._disk
+        db = disk._db(ti)  # None: nothing of the table was ever written
 
         def snapshot(txn):
-            return txn.get(META_KEY, db=disk.meta_db), txn.cursor(db=disk.rows_db).getmulti(key_list(keys))
+            return (txn.get(META_KEY, db=disk.meta_db),
+                    txn.cursor(db=db).getmulti(key_list(ids)) if db is not None else [])
         raw_meta, res = disk.snapshot_read(snapshot)
         if raw_meta is None:
             raise StoreFormatError(self.path, "store metadata vanished")
         seq = int(parse_meta(self.path, raw_meta).get("flush_seq", 0))
         found = np.zeros(n, dtype=bool)
         out = np.zeros((n, w), dtype=np.float32)
-        disk._parse(res, ti, w, keys, np.arange(n), found, out)
+        disk._parse(res, ti, w, ids, None, found, out)
         rec = torch.from_numpy(out)
         new = torch.from_numpy(~found).nonzero().squeeze(1)
         if new.numel():
@@ -202,26 +206,17 @@ class ReadOnlyStore:
         """``(ids int64 [m], records float32 [m, width])`` chunks of table ``ti`` in id
         order, all from one read transaction; ``count``, if given, gets the total first."""
         w = self.widths[ti]
-        prefix = np.array([(ti, 0)], dtype=KEY_DTYPE).tobytes()
         disk = self._disk
+        db = disk._db(ti)  # before the transaction (opening one takes its own)
         with disk.env.begin(buffers=False) as txn:  # one snapshot for the whole table
             raw_meta = txn.get(META_KEY, db=disk.meta_db)
             self.flush_seq = int(parse_meta(self.path, raw_meta).get("flush_seq", 0)) if raw_meta else 0
             if count is not None:
-                cur, n = txn.cursor(db=disk.rows_db), 0
-                if cur.set_range(prefix):
-                    for k in cur.iternext(keys=True, values=False):
-                        if k[:4] != prefix[:4]:
-                            break
-                        n += 1
-                count.append(n)
-            cur = txn.cursor(db=disk.rows_db)
-            if not cur.set_range(prefix):
+                count.append(txn.stat(db)["entries"] if db is not None else 0)
+            if db is None:
                 return
             keys, vals = [], []
-            for k, v in cur:
-                if k[:4] != prefix[:4]:
-                    break
+            for k, v in txn.cursor(db=db):
                 keys.append(k)
                 vals.append(v)
                 if len(keys) == EXPORT_CHUNK:
@@ -234,7 +229,7 @@ class ReadOnlyStore:
         raw = b"".join(vals)
         if len(raw) != len(vals) * w * 4:
             raise StoreFormatError(self.path, f"corrupt store: table {ti} records are not {w} floats")
-        ids = np.frombuffer(b"".join(keys), dtype=KEY_DTYPE)["k"].astype(np.int64)
+        ids = decode_keys(b"".join(keys)).astype(np.int64)
         return ids, np.frombuffer(raw, dtype="<f4").reshape(len(keys), w).astype(np.float32)
 
     def stats(self) -> dict:

@@ -179,7 +179,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             self.write_behind, self.write_behind_reason = resolve_write_behind(config.write_behind, self.device)
             self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
                                   write_behind=self.write_behind, io_process=config.io_process,
-                                  writemap=config.writemap)
+                                  writemap=config.writemap, tables=len(tables), migrate=True)
             try:
                 meta = self._disk.read_meta()
                 meta_counters = (meta or {}).get("counters")

@@ -16,19 +16,29 @@ process's gain: on fewer, the processes share the foreground's core.
 Then the LMDB cost per row: microseconds per row of the store's batched read (one
 ``DiskTier.read`` per table, as the store reads a step's missing rows) and write (one
 ``DiskTier.write`` of every table's rows with the store's metadata, as an eviction
-write-back) of one step's rows (``--step-rows`` over 8 tables), against a raw py-lmdb
-loop over the same keys in the same environment and run (sorted ``getmulti`` and one
-buffer of values; ``putmulti`` in one transaction of prepared keys and values), in
-alternating order; medians of ``--reps``.  ``*_store_over_raw`` is the store's overhead
-(target <= 1.3).
+write-back) of one step's rows (``--step-rows`` distinct rows over 8 tables whose
+records are 36, 68, 132 and 272 bytes, as row-wise Adagrad tables of dim 8 to 64 hold
+them; bench_train moves ~1.7-2.2k rows a step each way), against a raw py-lmdb loop
+over the same keys in the same run (per table a sorted ``getmulti`` and one buffer of
+values; ``putmulti`` in one transaction of prepared keys and values), in alternating
+order; medians (and minima) of ``--reps`` steps, ratios the median of the steps'
+ratios.  ``*_store_over_raw`` is the store's overhead (target <= 1.3);
+``convert_us_per_row`` is the part of it that makes py-lmdb's key and value objects
+from the id and record arrays (the raw loop gets them made).  The same
+raw loop over the same rows in an environment of format version 1 (one ``rows``
+database, 12-byte big-endian keys compared as bytes), beside it in the same run, is the
+before of the format change: ``*_raw_v2_over_v1``.  Store, raw loop and version-1 raw
+loop each have an environment of their own with the same rows, opened as the store opens
+its own (flags, preallocated ``writemap`` map).
 
-    python scripts/bench_io.py [--quick]
+    python scripts/bench_io.py [--quick] [--per-row-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -38,11 +48,15 @@ from pathlib import Path
 
 import numpy as np
 
-from hiermem.tiers.disk import DiskTier, encode_keys, key_list
+import lmdb
+
+from hiermem.tiers.disk import DiskTier, key_list, value_list
 from hiermem.tiers import lmdb_process
+from hiermem.tiers.records import encode_keys_v1
 
 W = 16
 TABLES = 8
+WIDTHS = [9, 17, 33, 68]  # floats per record, table t: WIDTHS[t % len(WIDTHS)] (dim 8..64 + row-wise state)
 
 
 def foreground(seconds: float) -> float:
@@ -96,17 +110,18 @@ def phase(path: Path, io: bool, rows: int, reads: int, writes: int, rate: float,
         disk.close()
 
 
-def raw_read(disk: DiskTier, keys: list[bytes]) -> np.ndarray:
-    """Raw py-lmdb: one sorted ``getmulti`` and the values as one float32 array."""
-    with disk.env.begin(db=disk.rows_db, buffers=False) as txn:
-        res = txn.cursor().getmulti(keys)
-    return np.frombuffer(b"".join([v for _, v in res]), dtype="<f4")
+def raw_read(env, dbs: list, keys: list[list[bytes]]) -> list[np.ndarray]:
+    """Raw py-lmdb: per table one sorted ``getmulti`` and the values as one float32 array."""
+    with env.begin(buffers=False) as txn:
+        return [np.frombuffer(b"".join([v for _, v in txn.cursor(db=db).getmulti(k)]), dtype="<f4")
+                for db, k in zip(dbs, keys)]
 
 
-def raw_write(disk: DiskTier, items: list[tuple[bytes, bytes]]) -> None:
-    """Raw py-lmdb: one transaction, one ``putmulti`` of prepared (key, value) pairs (through
-    the tier's transaction wrapper only so that a full map grows as for the store)."""
-    disk._write_txn(lambda txn: txn.cursor(db=disk.rows_db).putmulti(items))
+def raw_write(tier: DiskTier, dbs: list, items: list[list[tuple[bytes, bytes]]]) -> None:
+    """Raw py-lmdb: one transaction, per table one ``putmulti`` of prepared (key, value)
+    pairs (through the tier's transaction wrapper only so that a full map grows as for the
+    store)."""
+    tier._write_txn(lambda txn: [txn.cursor(db=db).putmulti(it) for db, it in zip(dbs, items)])
 
 
 def step_rows(rng, rows: int, n: int) -> list[tuple[int, np.ndarray]]:
@@ -115,26 +130,67 @@ def step_rows(rng, rows: int, n: int) -> list[tuple[int, np.ndarray]]:
     return [(t, np.unique(rng.integers(0, per, n // TABLES))) for t in range(TABLES)]
 
 
+def raw_tier(path: Path, version: int) -> tuple[DiskTier, list]:
+    """An environment opened as the store opens its own (same flags, same preallocated
+    map; its ``env`` used raw), in format ``version``: its databases, one per table
+    (version 2) or ``rows`` for every table (version 1)."""
+    if version == 1:  # the layout version 1 made; the tier opens it for its metadata only
+        env = lmdb.open(str(path), map_size=1 << 20, max_dbs=4)
+        env.open_db(b"rows")
+        env.open_db(b"meta")
+        env.close()
+        tier = DiskTier(path, create=False, sync=False, writemap=None)
+        return tier, [tier.rows_db] * TABLES
+    tier = DiskTier(path, create=True, sync=False, writemap=None, tables=TABLES)
+    return tier, [tier._db(t) for t in range(TABLES)]
+
+
+def _fill(d: DiskTier, raws: dict, per: int) -> None:
+    """Every row of every table (zeros) in the store's environment and the raw ones."""
+    for t in range(TABLES):
+        w = WIDTHS[t % len(WIDTHS)]
+        for i in range(0, per, 100_000):
+            ids = np.arange(i, min(per, i + 100_000))
+            zeros = np.zeros((len(ids), w), dtype=np.float32)
+            d.write([(t, ids, zeros)])
+            for v, (tier, dbs) in raws.items():
+                keys = (key_list(ids) if v == 2
+                        else encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist())
+                tier._write_txn(lambda txn: txn.cursor(db=dbs[t]).putmulti(zip(keys, value_list(zeros)), append=True))
+
+
 def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
-    """us per row of the store's batched read and write of a step's rows vs raw py-lmdb."""
-    d = DiskTier(path, create=True, sync=False, writemap=None)  # the store's defaults
+    """us per row of the store's batched read and write of a step's rows vs raw py-lmdb,
+    in this format and (raw) in version 1's.  Three environments with the same rows and
+    flags (the store's, the raw loop's, the version-1 raw loop's), each read and written
+    once a step, so each one's pages age alike."""
+    d = DiskTier(path / "store", create=True, sync=False, writemap=None, tables=TABLES)  # the store's defaults
+    raws = {2: raw_tier(path / "raw", 2), 1: raw_tier(path / "raw-v1", 1)}
     try:
         per = rows // TABLES
-        for t in range(TABLES):
-            d.write([(t, np.arange(per), np.zeros((per, W), dtype=np.float32))])
-        meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": W} for t in range(TABLES)], "seed": 0}
+        _fill(d, raws, per)
+        (tier2, dbs2), (tier1, dbs1) = raws[2], raws[1]
+        meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": WIDTHS[t % len(WIDTHS)]} for t in range(TABLES)],
+                "seed": 0}
         rng = np.random.default_rng(2)
-        times = {k: [] for k in ("read_store", "read_raw", "write_store", "write_raw")}
+        names = ("read_store", "read_raw", "read_raw_v1", "write_store", "write_raw", "write_raw_v1", "convert")
+        times = {k: [] for k in names}
         for r in range(-2, reps):  # two untimed rounds first (pages, the map's size)
             groups = step_rows(rng, rows, n)
             m = sum(len(ids) for _, ids in groups)
-            keys = key_list(np.sort(np.concatenate([encode_keys(np.full(len(i), t, dtype=np.uint32), i)
-                                                    for t, i in groups])))
-            recs = [(t, ids, rng.random((len(ids), W), dtype=np.float32)) for t, ids in groups]
-            items = list(zip(keys, [x.tobytes() for _, _, rec in recs for x in rec]))
-            ops = {"read_store": lambda: [d.read(t, ids, W) for t, ids in groups], "read_raw": lambda: raw_read(d, keys),
-                   "write_store": lambda: d.write(recs, meta=meta), "write_raw": lambda: raw_write(d, items)}
-            order = list(ops) if r % 2 else ["read_raw", "read_store", "write_raw", "write_store"]
+            recs = [(t, ids, rng.random((len(ids), WIDTHS[t % len(WIDTHS)]), dtype=np.float32)) for t, ids in groups]
+            keys = [key_list(ids) for _, ids in groups]
+            items = [list(zip(k, value_list(rec))) for k, (_, _, rec) in zip(keys, recs)]
+            keys1 = [encode_keys_v1(np.full(len(ids), t, np.uint32), ids).view("V12").tolist() for t, ids in groups]
+            items1 = [list(zip(k, value_list(rec))) for k, (_, _, rec) in zip(keys1, recs)]
+            ops = {"read_store": lambda: [d.read(t, ids, WIDTHS[t % len(WIDTHS)]) for t, ids in groups],
+                   "read_raw": lambda: raw_read(tier2.env, dbs2, keys),
+                   "read_raw_v1": lambda: raw_read(tier1.env, dbs1, keys1),
+                   "write_store": lambda: d.write(recs, meta=meta),
+                   "write_raw": lambda: raw_write(tier2, dbs2, items),
+                   "write_raw_v1": lambda: raw_write(tier1, dbs1, items1),
+                   "convert": lambda: [(key_list(ids), value_list(rec)) for _, ids, rec in recs]}
+            order = list(ops) if r % 2 else list(reversed(ops))
             for k in order:
                 t0 = time.perf_counter()
                 ops[k]()
@@ -142,10 +198,21 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
                     times[k].append((time.perf_counter() - t0) / m * 1e6)
     finally:
         d.close()
-    us = {k: float(np.median(v)) for k, v in times.items()}
-    return {**{f"{k}_us_per_row": round(v, 3) for k, v in us.items()},
-            "read_store_over_raw": round(us["read_store"] / us["read_raw"], 3),
-            "write_store_over_raw": round(us["write_store"] / us["write_raw"], 3), "rows_per_step": m}
+        for tier, _ in raws.values():
+            tier.close()
+    t = {k: np.array(v) for k, v in times.items()}
+
+    def ratio(a: str, b: str) -> float:  # median of the steps' ratios: each pair ran side by side
+        return round(float(np.median(t[a] / t[b])), 3)
+    return {**{f"{k}_us_per_row": round(float(np.median(v)), 3) for k, v in t.items()},
+            **{f"{k}_us_per_row_min": round(float(v.min()), 3) for k, v in t.items()},
+            "read_store_over_raw": ratio("read_store", "read_raw"),
+            "write_store_over_raw": ratio("write_store", "write_raw"),
+            "read_raw_v2_over_v1": ratio("read_raw", "read_raw_v1"),
+            "write_raw_v2_over_v1": ratio("write_raw", "write_raw_v1"),
+            "read_store_over_raw_v1": ratio("read_store", "read_raw_v1"),
+            "write_store_over_raw_v1": ratio("write_store", "write_raw_v1"),
+            "rows_per_step": m, "writemap": d.writemap, "reps": reps}
 
 
 def main(argv=None) -> int:
@@ -157,44 +224,59 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=4.0,
                     help="background rounds per second (a step's I/O each; in-thread sustains about 5 here)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per phase (default 8, quick 3)")
-    ap.add_argument("--step-rows", type=int, default=13_000, help="ids drawn per step for the per-row costs")
-    ap.add_argument("--reps", type=int, default=None, help="steps timed for the per-row costs (default 40, quick 16)")
+    ap.add_argument("--step-rows", type=int, default=2_000, help="ids drawn per step for the per-row costs")
+    ap.add_argument("--reps", type=int, default=None, help="steps timed for the per-row costs (default 60, quick 30)")
+    ap.add_argument("--per-row-only", action="store_true", help="only the per-row costs (no overlap phases)")
+    ap.add_argument("--widths", type=int, nargs="+", default=None,
+                    help="floats per record of the tables, cycled (default 9 17 33 68: 36-272 B)")
     a = ap.parse_args(argv)
     if not lmdb_process.supported():
         print("bench_io: I/O processes need Linux", file=sys.stderr)
         return 0
     rows = a.rows or (200_000 if a.quick else 800_000)
+    if a.widths:
+        WIDTHS[:] = a.widths
+    per_row_rows = a.rows or (960_000 if a.quick else 4_000_000)  # bench_train --quick: 8 x 120k
     seconds = a.seconds or (3.0 if a.quick else 8.0)
     tmp = Path(tempfile.mkdtemp(prefix="hiermem-bench-io-"))
+    out = {}
     try:
-        path = tmp / "lmdb"
-        d = DiskTier(path, create=True, sync=False)
-        for i in range(0, rows, 100_000):
-            ids = np.arange(i, min(rows, i + 100_000))
-            d.write([(0, ids, np.zeros((len(ids), W), dtype=np.float32))])
-        d.close()
-        alone = foreground(seconds)
-        fg_t, bg_t = phase(path, False, rows, a.reads, a.writes, a.rate, seconds)
-        fg_p, bg_p = phase(path, True, rows, a.reads, a.writes, a.rate, seconds)
-        cost = per_row_costs(tmp / "per-row", rows, a.step_rows, a.reps or (16 if a.quick else 40))
+        if not a.per_row_only:
+            path = tmp / "lmdb"
+            d = DiskTier(path, create=True, sync=False)
+            for i in range(0, rows, 100_000):
+                ids = np.arange(i, min(rows, i + 100_000))
+                d.write([(0, ids, np.zeros((len(ids), W), dtype=np.float32))])
+            d.close()
+            alone = foreground(seconds)
+            fg_t, bg_t = phase(path, False, rows, a.reads, a.writes, a.rate, seconds)
+            fg_p, bg_p = phase(path, True, rows, a.reads, a.writes, a.rate, seconds)
+            print(f"bench_io: {rows} rows x {W} floats; per background round {a.reads} reads + {a.writes} writes, "
+                  f"at most {a.rate:g} rounds/s", file=sys.stderr)
+            print(f"  foreground alone        {alone:9.0f} units/s", file=sys.stderr)
+            print(f"  beside in-thread I/O    {fg_t:9.0f} units/s  x{fg_t / alone:.2f}   "
+                  f"background {bg_t:6.1f} rounds/s", file=sys.stderr)
+            print(f"  beside the I/O process  {fg_p:9.0f} units/s  x{fg_p / alone:.2f}   "
+                  f"background {bg_p:6.1f} rounds/s", file=sys.stderr)
+            out = {"fg_in_thread_over_alone": round(fg_t / alone, 3),
+                   "fg_io_process_over_alone": round(fg_p / alone, 3),
+                   "bg_io_process_over_in_thread": round(bg_p / bg_t, 3), "rate": a.rate, "rows": rows}
+        load = os.getloadavg()[0]
+        cost = per_row_costs(tmp / "per-row", per_row_rows, a.step_rows, a.reps or (30 if a.quick else 60))
+        load = max(load, os.getloadavg()[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"bench_io: {rows} rows x {W} floats; per background round {a.reads} reads + {a.writes} writes, "
-          f"at most {a.rate:g} rounds/s",
-          file=sys.stderr)
-    print(f"  foreground alone        {alone:9.0f} units/s", file=sys.stderr)
-    print(f"  beside in-thread I/O    {fg_t:9.0f} units/s  x{fg_t / alone:.2f}   background {bg_t:6.1f} rounds/s",
-          file=sys.stderr)
-    print(f"  beside the I/O process  {fg_p:9.0f} units/s  x{fg_p / alone:.2f}   background {bg_p:6.1f} rounds/s",
-          file=sys.stderr)
-    print(f"LMDB per row, one step's {cost['rows_per_step']} rows over {TABLES} tables (median us/row):",
-          file=sys.stderr)
+    print(f"LMDB per row, one step's {cost['rows_per_step']} rows over {TABLES} tables of {per_row_rows} rows, records "
+          f"{'/'.join(str(4 * w) for w in WIDTHS)} B, writemap {cost['writemap']} (median us/row of {cost['reps']}; "
+          f"load average {load:.2f}):", file=sys.stderr)
     for op in ("read", "write"):
-        print(f"  {op:5s}  store {cost[op + '_store_us_per_row']:6.3f}   raw py-lmdb {cost[op + '_raw_us_per_row']:6.3f}"
-              f"   store/raw x{cost[op + '_store_over_raw']:.2f}", file=sys.stderr)
-    print(json.dumps({"fg_in_thread_over_alone": round(fg_t / alone, 3), "fg_io_process_over_alone": round(fg_p / alone, 3),
-                      "bg_io_process_over_in_thread": round(bg_p / bg_t, 3), **cost, "rate": a.rate, "rows": rows,
-                      "quick": a.quick}))
+        c = {k[len(op) + 1:]: v for k, v in cost.items() if k.startswith(op + "_")}
+        print(f"  {op:5s}  store {c['store_us_per_row']:6.3f}   raw py-lmdb {c['raw_us_per_row']:6.3f}"
+              f"   store/raw x{c['store_over_raw']:.2f}   raw in format 1 {c['raw_v1_us_per_row']:6.3f}"
+              f"   raw now/format 1 x{c['raw_v2_over_v1']:.2f}", file=sys.stderr)
+    print(f"  the store's key and value objects (py-lmdb's input): {cost['convert_us_per_row']:.3f} us/row",
+          file=sys.stderr)
+    print(json.dumps({**out, **cost, "per_row_rows": per_row_rows, "load_avg": round(load, 2), "quick": a.quick}))
     return 0
 
 

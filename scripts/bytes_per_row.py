@@ -52,14 +52,20 @@ def build(path: Path, specs: list[hm.TableSpec], rows: int, opt) -> hm.Hierarchi
 
 
 def lmdb_stats(path: Path) -> tuple[dict, dict[int, set[int]]]:
-    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=64)
     try:
-        db = env.open_db(b"rows", create=False)
         with env.begin() as txn:
-            st = txn.stat(db)
-            lens: dict[int, set[int]] = {}
-            for k, v in txn.cursor(db=db):
-                lens.setdefault(int.from_bytes(k[:4], "big"), set()).add(len(v))
+            names = [k for k, _ in txn.cursor() if k != b"meta"]
+        st = {k: 0 for k in ("branch_pages", "leaf_pages", "overflow_pages", "entries")}
+        lens: dict[int, set[int]] = {}
+        for name in names:  # format 2: a database per table, t<index>
+            db = env.open_db(name, create=False, integerkey=True)
+            with env.begin() as txn:
+                for k, v in txn.stat(db).items():
+                    if k in st:
+                        st[k] += v
+                for _, v in txn.cursor(db=db):
+                    lens.setdefault(int(name[1:]), set()).add(len(v))
         st["psize"] = env.stat()["psize"]
     finally:
         env.close()

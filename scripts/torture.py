@@ -94,7 +94,6 @@ import torch  # noqa: E402
 import hiermem as hm  # noqa: E402
 from hiermem.store import initial_records  # noqa: E402
 from hiermem.tiers import DiskTier  # noqa: E402
-from hiermem.tiers.disk import encode_keys  # noqa: E402
 
 # -- the store under torture ---------------------------------------------------------------
 TABLES = [hm.TableSpec("bounded", 300, 8), hm.TableSpec("hashed", None, 4)]
@@ -294,8 +293,7 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
         def proc_write(proc, q):  # io_process: the writer thread's I/O process commits
             if not any(q is d for d in doomed):
                 return real_proc_write(proc, q)
-            proc.begin_write([(encode_keys(np.full(len(ids), t, dtype=np.uint32), ids), rec)
-                              for t, ids, rec in q.groups], q.meta_raw)
+            proc.begin_write(q.groups, q.meta_raw)
             _die()  # while the I/O process commits: it dies with this process, mid-commit
         disk.enqueue, disk._txn_body, disk._proc_write = enqueue, txn_body, proc_write
     if mode == "after-flush":

@@ -61,12 +61,16 @@ def assert_same(a, b):
 
 
 def raw_records(path):
-    """All rows of a (closed) store as {key bytes: value bytes}, plus its metadata."""
-    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
+    """All rows of a (closed) store as {(table database, key bytes): value bytes}, plus its
+    metadata."""
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=64)
     try:
-        rows_db, meta_db = env.open_db(b"rows", create=False), env.open_db(b"meta", create=False)
+        meta_db = env.open_db(b"meta", create=False)
         with env.begin() as txn:
-            rows = dict(txn.cursor(db=rows_db))
+            names = [k for k, _ in txn.cursor() if k != b"meta"]
+        dbs = {n: env.open_db(n, create=False, integerkey=True) for n in names}
+        with env.begin() as txn:
+            rows = {(n, k): v for n, db in dbs.items() for k, v in txn.cursor(db=db)}
             meta = json.loads(txn.get(b"store", db=meta_db))
     finally:
         env.close()
@@ -531,7 +535,7 @@ def test_empty_foreign_lmdb_is_refused_by_open(tmp_path):
 
 def _bad_meta(path, raw):
     env = lmdb.open(str(path), map_size=1 << 20, max_dbs=4)
-    env.open_db(b"rows")
+    env.open_db(b"t0", integerkey=True)
     meta = env.open_db(b"meta")
     with env.begin(write=True) as txn:
         txn.put(b"store", raw, db=meta)
@@ -542,8 +546,8 @@ def _bad_meta(path, raw):
     b"{not json",
     b"[1, 2]",
     json.dumps({"format": "something-else", "version": 1}).encode(),
-    json.dumps({"format": "hiermem-store", "version": 2}).encode(),
-    json.dumps({"format": "hiermem-store", "version": 1}).encode(),  # no layout
+    json.dumps({"format": "hiermem-store", "version": 3}).encode(),
+    json.dumps({"format": "hiermem-store", "version": 2}).encode(),  # no layout
 ], ids=["not-json", "not-object", "format", "version", "no-layout"])
 def test_corrupt_metadata_is_refused(tmp_path, raw):
     d = tmp_path / "meta"

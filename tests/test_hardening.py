@@ -331,13 +331,14 @@ def test_disk_records_are_at_each_tables_own_width(tmp_path):
                                                      optimizer=opt)) as s:
         for t in tables:
             s.write(t.name, torch.arange(50), torch.ones(50, t.dim))
-    env = lmdb.open(str(tmp_path / "s"), readonly=True, lock=False, max_dbs=4)
+    env = lmdb.open(str(tmp_path / "s"), readonly=True, lock=False, max_dbs=16)
     try:
-        db = env.open_db(b"rows", create=False)
-        with env.begin(db=db) as txn:
-            sizes = {}
-            for k, v in txn.cursor():
-                sizes.setdefault(int.from_bytes(k[:4], "big"), set()).add(len(v))
+        sizes = {}
+        for i in range(len(tables)):
+            db = env.open_db(b"t%d" % i, create=False, integerkey=True)
+            with env.begin(db=db) as txn:
+                for k, v in txn.cursor():
+                    sizes.setdefault(i, set()).add(len(v))
     finally:
         env.close()
     assert sizes == {i: {4 * (t.dim + opt.state_width(t.dim))} for i, t in enumerate(tables)}

@@ -17,7 +17,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from hiermem.tiers.disk import encode_keys, key_list
+from hiermem.tiers.disk import key_list
 
 @pytest.fixture(autouse=True)
 def _torch_plane(monkeypatch):
@@ -63,10 +63,10 @@ def test_kills_lose_and_tear_nothing(torture, tmp_path, write_behind, io_process
 
 
 def _put(path, ti, ident, rec):
-    env = lmdb.open(str(path), max_dbs=4, map_size=1 << 28)
+    env = lmdb.open(str(path), max_dbs=16, map_size=1 << 28)
     try:
-        db = env.open_db(b"rows", create=False)
-        key = key_list(encode_keys(np.array([ti], dtype=np.uint32), np.array([ident], dtype=np.uint64)))[0]
+        db = env.open_db(b"t%d" % ti, create=False, integerkey=True)
+        key = key_list(np.array([ident], dtype=np.uint64))[0]
         with env.begin(write=True, db=db) as txn:
             txn.put(key, np.ascontiguousarray(rec, dtype="<f4").tobytes())
     finally:

@@ -1,8 +1,10 @@
 """The LMDB I/O process: reads or commits batches of records for a store's disk tier.
 
 Run by :class:`hiermem.tiers.lmdb_process.LmdbProcess` as ``python _lmdb_server.py PATH
-MAP_SIZE MODE SYNC PARENT WRITEMAP`` (MODE ``r``: reads only; ``w``: write transactions
-too, through the shared map when WRITEMAP is 1, the parent having allocated the file).  It imports
+MAP_SIZE MODE SYNC PARENT WRITEMAP MAX_DBS`` (MODE ``r``: reads only; ``w``: write
+transactions too, through the shared map when WRITEMAP is 1, the parent having allocated
+the file).  The store is format version 2 (:mod:`hiermem.tiers.records`): a database
+``t<table>`` per table, native ``uint64`` integer keys.  It imports
 only lmdb and numpy (not torch, not hiermem), so it starts in a fraction of a second.
 
 Why a process: py-lmdb holds the GIL through ``getmulti``, ``putmulti`` and commit, so
@@ -14,10 +16,11 @@ Protocol (binary, framed; no pickle) on stdin/stdout: a request is one op byte, 
 length and a payload; a reply is one status byte (0 ok, 1 map full, 2 error), a u64
 length and a payload (an error's payload is its message).
 
-- ``R`` read: u32 groups; each u32 width (floats), u64 n, then n sorted 12-byte keys.
-  Reply: per group n found bytes (0/1), then n * width float32 records (zero where not found).
-- ``W`` write (one transaction): u32 groups; each u32 record bytes, u64 n, n keys, n
-  records; then u32 meta length and the meta value.  Reply: empty.
+- ``R`` read: u32 groups; each u32 table, u32 width (floats), u64 n, then n sorted
+  distinct u64 ids.  Reply: per group n found bytes (0/1), then n * width float32
+  records (zero where not found).
+- ``W`` write (one transaction): u32 groups; each u32 table, u32 record bytes, u64 n, n
+  sorted distinct ids, n records; then u32 meta length and the meta value.  Reply: empty.
 - ``Q`` quit.
 
 A map that is full is reported (the store grows it in its own process and commits
@@ -30,7 +33,7 @@ import os
 import struct
 import sys
 
-ROWS_DB, META_DB, META_KEY = b"rows", b"meta", b"store"
+META_DB, META_KEY = b"meta", b"store"
 _HDR = struct.Struct("<cQ")
 _REPLY = struct.Struct("<BQ")
 
@@ -63,51 +66,81 @@ def _reply(out, status: int, payload: bytes = b"") -> None:
     out.flush()
 
 
-def _keys(raw: bytes, off: int, n: int) -> list:
-    return [raw[i:i + 12] for i in range(off, off + 12 * n, 12)]
+class _Dbs:
+    """Each table's database, opened on first use (None: the table has none yet)."""
+
+    def __init__(self, env, lmdb):
+        self.env, self.lmdb, self.dbs = env, lmdb, {}
+
+    def __call__(self, table: int):
+        if table not in self.dbs:
+            try:
+                self.dbs[table] = self.env.open_db(b"t%d" % table, create=False, integerkey=True)
+            except self.lmdb.NotFoundError:
+                return None
+        return self.dbs[table]
 
 
-def _read(env, rows, np, raw: bytes) -> bytes:
+def _read(env, dbs, np, raw: bytes) -> bytes:
     (ngroups,) = struct.unpack_from("<I", raw, 0)
-    off, out = 4, []
-    with env.begin(db=rows, buffers=False) as txn:
-        cur = txn.cursor()
-        for _ in range(ngroups):
-            width, n = struct.unpack_from("<IQ", raw, off)
-            off += 12
-            skeys = np.frombuffer(raw, dtype="S12", count=n, offset=off)
-            res = cur.getmulti(_keys(raw, off, n))
-            off += 12 * n
+    off, groups, out = 4, [], []
+    for _ in range(ngroups):
+        table, width, n = struct.unpack_from("<IIQ", raw, off)
+        off += 16
+        groups.append((dbs(table), width, np.frombuffer(raw, dtype=np.uint64, count=n, offset=off)))
+        off += 8 * n
+    with env.begin(buffers=False) as txn:
+        for db, width, ids in groups:
+            n = len(ids)
             found = np.zeros(n, dtype=np.uint8)
             rec = np.zeros((n, width), dtype="<f4")
+            res = txn.cursor(db=db).getmulti(ids.view("V8").tolist()) if db is not None and n else []
             if res:
                 recs = b"".join([kv[1] for kv in res])
                 if len(recs) != len(res) * width * 4:
                     raise ValueError(f"corrupt store: records are not {width} floats")
-                pos = np.searchsorted(skeys, np.frombuffer(b"".join([kv[0] for kv in res]), dtype="S12"))
-                found[pos] = 1
-                rec[pos] = np.frombuffer(recs, dtype="<f4").reshape(len(res), width)
+                if len(res) == n:
+                    found[:] = 1
+                    rec[:] = np.frombuffer(recs, dtype="<f4").reshape(n, width)
+                else:
+                    pos = np.searchsorted(ids, np.frombuffer(b"".join([kv[0] for kv in res]), dtype=np.uint64))
+                    found[pos] = 1
+                    rec[pos] = np.frombuffer(recs, dtype="<f4").reshape(len(res), width)
             out += [found.tobytes(), rec.tobytes()]
     return b"".join(out)
 
 
-def _write(env, rows, meta_db, raw: bytes) -> None:
+def _put_sorted(cur, np, ids, vals) -> None:
+    """As ``hiermem.tiers.disk.put_sorted``: ids past the last key appended."""
+    split = 0
+    if cur.last():
+        split = int(np.searchsorted(ids, np.frombuffer(cur.key(), dtype=np.uint64)[0], side="right"))
+    keys = ids.view("V8").tolist()
+    if split:
+        cur.putmulti(zip(keys[:split], vals[:split]))
+    if split < len(ids) and cur.putmulti(zip(keys[split:], vals[split:]), append=True)[1] != len(ids) - split:
+        raise ValueError("LMDB refused appended keys: ids not distinct and ascending")
+
+
+def _write(env, dbs, np, meta_db, raw: bytes) -> None:
     (ngroups,) = struct.unpack_from("<I", raw, 0)
     off, groups = 4, []
     for _ in range(ngroups):
-        rb, n = struct.unpack_from("<IQ", raw, off)
-        off += 12
-        ks = _keys(raw, off, n)
-        off += 12 * n
-        vs = [raw[i:i + rb] for i in range(off, off + rb * n, rb)]
+        table, rb, n = struct.unpack_from("<IIQ", raw, off)
+        off += 16
+        ids = np.frombuffer(raw, dtype=np.uint64, count=n, offset=off)
+        off += 8 * n
+        vals = np.frombuffer(raw, dtype=f"V{rb}", count=n, offset=off).tolist()  # n values of rb bytes
         off += rb * n
-        groups.append((ks, vs))
+        db = dbs(table)
+        if db is None:
+            raise ValueError(f"table {table} has no database")
+        groups.append((db, ids, vals))
     (mlen,) = struct.unpack_from("<I", raw, off)
     meta = raw[off + 4:off + 4 + mlen] if mlen else None
     with env.begin(write=True) as txn:
-        cur = txn.cursor(db=rows)
-        for ks, vs in groups:
-            cur.putmulti(zip(ks, vs))
+        for db, ids, vals in groups:
+            _put_sorted(txn.cursor(db=db), np, ids, vals)
         if meta is not None:
             txn.put(META_KEY, meta, db=meta_db)
 
@@ -115,6 +148,7 @@ def _write(env, rows, meta_db, raw: bytes) -> None:
 def main(argv) -> int:
     path, map_size, mode, sync, parent = argv[1], int(argv[2]), argv[3], argv[4] == "1", int(argv[5])
     writemap = mode == "w" and argv[6] == "1"  # the parent allocated the file up to map_size
+    max_dbs = int(argv[7])
     _die_with_parent(parent)
     import lmdb
     import numpy as np
@@ -122,10 +156,10 @@ def main(argv) -> int:
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write to the reply channel
     try:
-        env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, meminit=False, create=False,
+        env = lmdb.open(path, map_size=map_size, max_dbs=max_dbs, readahead=False, meminit=False, create=False,
                         sync=sync, readonly=mode == "r", writemap=writemap)
-        rows = env.open_db(ROWS_DB, create=False)
         meta_db = env.open_db(META_DB, create=False)
+        dbs = _Dbs(env, lmdb)
     except Exception as e:  # the store sees the failed start and does its I/O itself
         _reply(out, 2, f"cannot open {path}: {e}".encode())
         return 1
@@ -141,9 +175,9 @@ def main(argv) -> int:
         for _attempt in range(3):
             try:
                 if op == b"R":
-                    _reply(out, 0, _read(env, rows, np, raw))
+                    _reply(out, 0, _read(env, dbs, np, raw))
                 elif op == b"W" and mode == "w":
-                    _write(env, rows, meta_db, raw)
+                    _write(env, dbs, np, meta_db, raw)
                     _reply(out, 0)
                 else:
                     _reply(out, 2, f"bad request {op!r}".encode())

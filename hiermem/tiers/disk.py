@@ -8,8 +8,10 @@ map growth and ``writemap`` preallocation (:mod:`.mapgrow`), read-ahead
 synchronous reads and writes.
 
 A record is stored at its table's own width (weights + optimizer state), never padded to
-the widest table.  Reads are one ``getmulti`` per batch, writes one transaction per
-batch (``putmulti``, keys in order).  When LMDB's map fills, the map doubles and the
+the widest table, in its table's own integer-keyed sub-database (format version 2, see
+:mod:`.records`; a version-1 store is migrated when opened with ``migrate=True``).  Reads
+are one ``getmulti`` per table of a batch, writes one transaction per batch
+(``putmulti`` per table, keys in order; keys past the table's last one appended).  When LMDB's map fills, the map doubles and the
 transaction is retried; a real disk-full error aborts the transaction (nothing is
 written) and raises :class:`DiskFullError`; an I/O error of the OS raises
 :class:`StoreIOError` with its errno (reads are retried first, a commit once), and only
@@ -23,6 +25,7 @@ writes; each read is one LMDB read transaction, a snapshot of the last commit.
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import time
 from pathlib import Path
@@ -38,11 +41,29 @@ from .ioerrors import _disk_full, _is_enospc, retry_read, typed
 from .mapgrow import (PREALLOCATING_FILESYSTEMS, WRITEMAP_INITIAL, MapGrowth, _round_up,  # noqa: F401
                       filesystem_type, writemap_safe)
 from .read_ahead import AHEAD_BATCHES, ReadAhead, _Ahead  # noqa: F401
-from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, META_KEY, _check_lmdb_file, encode_keys,  # noqa: F401
-                      key_list, meta_bytes, parse_meta)
+from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY,  # noqa: F401
+                      ROWS_DB_V1, _check_lmdb_file, decode_keys, id_keys, key_list, meta_bytes, parse_meta, refuse_v1,
+                      table_db, table_of_db, value_list)
 from .write_behind import WRITE_BEHIND_BATCHES, WriteBehind, _Queued  # noqa: F401
 
 COMMIT_ATTEMPTS = 2  # a commit that failed with an I/O error is tried once more (LMDB aborted it whole)
+MIGRATE_CHUNK = 1 << 16  # version-1 rows copied per transaction of a migration
+_KEY, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def put_sorted(cur: lmdb.Cursor, ids: np.ndarray, rec: np.ndarray) -> None:
+    """Put records ``rec`` of distinct ascending ``uint64`` ``ids`` with ``cur`` (a write
+    cursor on their table's database): the ids past the table's last key appended
+    (``MDB_APPEND``: no search, pages filled), the others put in order."""
+    split = 0
+    if cur.last():
+        split = int(np.searchsorted(ids, decode_keys(cur.key())[0], side="right"))
+    if split:
+        cur.putmulti(zip(key_list(ids[:split]), value_list(rec[:split])))
+    if split < len(ids):
+        added = cur.putmulti(zip(key_list(ids[split:]), value_list(rec[split:])), append=True)[1]
+        if added != len(ids) - split:
+            raise HierMemError("LMDB refused appended keys: ids not distinct and ascending")
 
 
 class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
@@ -66,15 +87,22 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             allocated now (else without, writing only the pages used).  The map then
             starts at twice the pages in use (at least ``WRITEMAP_INITIAL``, at most
             ``map_size``; never below the file's size) and doubles as it fills.
+        tables: tables the store has (their sub-databases are made when the store is
+            created; a table written later gets one then).
+        migrate: a version-1 store is migrated to this version here (the store's own
+            open, under its lock); else such a store opens for :meth:`read_meta` only,
+            and a read-only open refuses it.
 
     Raises:
         DiskFullError: ``writemap=True`` and the disk has no room for the map.
+        StoreVersionError: ``readonly`` and a version-1 store, or a version not known.
     """
 
     def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True,
                  write_behind: bool = False, io_process: bool = False, writemap: bool | None = False,
-                 readonly: bool = False):
+                 readonly: bool = False, tables: int = 0, migrate: bool = False):
         self.path = Path(path)
+        self._max_dbs = max(32, int(tables) + 4)
         self.readonly = bool(readonly)
         if self.readonly:
             create, write_behind, io_process, writemap = False, False, False, False
@@ -90,31 +118,33 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             raise StoreFormatError(self.path, f"not a hiermem store: {data} is not a regular file")
         else:
             _check_lmdb_file(self.path, data)
-        try:
-            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=4, mode=0o600,
-                                 readahead=False, meminit=False, create=create, sync=sync, readonly=self.readonly)
-        except lmdb.Error as e:
-            if _is_enospc(e):
-                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full creating the store") from e
-            if isinstance(typed(self.path, e, "open"), StoreIOError) and not isinstance(e, lmdb.ReadonlyError):
-                raise typed(self.path, e, "open") from e
-            raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
+        self.env = self._open_env(map_size, create, sync)
         try:
             with self.env.begin() as txn:  # a foreign LMDB has keys of its own: refuse it untouched
                 names = {k for k, _ in txn.cursor()}
-            if names - {b"rows", b"meta"} or (names and names != {b"rows", b"meta"}):
+            tables_on_disk = {n for n in names if table_of_db(n) is not None}
+            if names - tables_on_disk - {META_DB, ROWS_DB_V1} or (names and META_DB not in names):
                 raise StoreFormatError(self.path, "an LMDB environment, but not a hiermem store")
             self._fresh = not names
             if self._fresh and not create:
                 raise StoreFormatError(self.path, "an empty LMDB environment, not a hiermem store")
-            self.rows_db = self.env.open_db(b"rows", create=self._fresh)
-            self.meta_db = self.env.open_db(b"meta", create=self._fresh)
+            if len(names) + 4 > self._max_dbs:  # more tables than asked for: room for each
+                self._max_dbs = len(names) + 4
+                self.env.close()
+                self.env = self._open_env(map_size, create, sync)
+            self.version = 1 if ROWS_DB_V1 in names else FORMAT_VERSION
+            self._open_dbs(create=self._fresh)
+            if self._fresh:
+                self.ensure_tables(tables)
         except lmdb.Error as e:
             self.env.close()
             raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
         except BaseException:
             self.env.close()
             raise
+        if self.version == 1 and self.readonly:
+            self.env.close()
+            raise refuse_v1(self.path, "a read-only open")
         for f in (data, self.path / "lock.mdb"):
             if f.exists() and not self.readonly:
                 os.chmod(f, 0o600)
@@ -134,6 +164,129 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         self._init_read_ahead()
         self._init_write_behind(write_behind)
         self._init_io_processes(io_process, sync)
+        if self.version == 1 and migrate:
+            try:
+                self._migrate_v1()
+            except BaseException:
+                self.close()
+                raise
+
+    def _open_env(self, map_size: int, create: bool, sync: bool) -> lmdb.Environment:
+        try:
+            return lmdb.open(str(self.path), map_size=map_size, max_dbs=self._max_dbs, mode=0o600,
+                             readahead=False, meminit=False, create=create, sync=sync, readonly=self.readonly)
+        except lmdb.Error as e:
+            if _is_enospc(e):
+                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full creating the store") from e
+            if isinstance(typed(self.path, e, "open"), StoreIOError) and not isinstance(e, lmdb.ReadonlyError):
+                raise typed(self.path, e, "open") from e
+            raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
+
+    def _open_dbs(self, create: bool = False) -> None:
+        """Open the metadata database, every table's (and version 1's rows) of ``env``."""
+        self.meta_db = self.env.open_db(META_DB, create=create)
+        self.rows_db = self.env.open_db(ROWS_DB_V1, create=False) if self.version == 1 else None
+        self._dbs: dict[int, object] = {}
+        with self.env.begin() as txn:
+            names = [k for k, _ in txn.cursor()]
+        for name in names:
+            t = table_of_db(name)
+            if t is not None:
+                self._dbs[t] = self.env.open_db(name, create=False, integerkey=True)
+
+    def ensure_tables(self, n: int) -> None:
+        """Make the sub-databases of tables ``0..n-1`` that do not exist yet (no transaction
+        of this thread may be open)."""
+        for t in range(n):
+            self._db(t, create=True)
+
+    def _db(self, table: int, create: bool = False):
+        """Table ``table``'s sub-database (made when ``create``), or None where it has none
+        (nothing of it was ever written).  Opening one takes a transaction of its own: call
+        it outside of any."""
+        db = self._dbs.get(table)
+        if db is not None:
+            return db
+        if not (self.readonly and create):
+            if table + 4 > self._max_dbs:
+                raise HierMemError(f"{self.path}: table {table} is beyond the {self._max_dbs - 4} tables this "
+                                   "handle was opened for")
+            try:
+                db = self.env.open_db(table_db(table), create=create and not self.readonly, integerkey=True)
+            except lmdb.NotFoundError:
+                return None
+            self._dbs[table] = db
+        return db
+
+    def _check_version(self) -> None:
+        if self.version != FORMAT_VERSION:
+            raise refuse_v1(self.path, "a handle opened for its metadata only")
+
+    def _migrate_v1(self) -> None:
+        """Rewrite a version-1 store as version 2, in place: every row of ``rows`` copied
+        to its table's database (``MIGRATE_CHUNK`` rows a transaction, appended in key
+        order), then ``rows`` dropped and the version-2 metadata written in one last
+        transaction, and synced.  A migration killed before that last commit leaves a
+        version-1 store (the partial copies are dropped when it starts again)."""
+        raw = self.snapshot_read(lambda txn: txn.get(META_KEY, db=self.meta_db), "metadata read")
+        if raw is None:
+            raise StoreFormatError(self.path, "a hiermem-shaped LMDB environment without store metadata")
+        meta = parse_meta(self.path, raw, version=1)
+        tables = meta.get("tables")
+        if not isinstance(tables, list) or not tables:
+            raise StoreFormatError(self.path, "corrupt store metadata: no tables")
+        if len(tables) + 4 > self._max_dbs:
+            raise HierMemError(f"{self.path}: open the store with tables={len(tables)} to migrate it")
+        self.ensure_tables(len(tables))
+
+        def clear(txn: lmdb.Transaction) -> None:
+            for db in self._dbs.values():
+                txn.drop(db, delete=False)
+        self._write_txn(clear)
+        start: list[bytes | None] = [b""]
+        while start[0] is not None:
+            self._write_txn(self._migrate_chunk(start, len(tables)))
+
+        def finish(txn: lmdb.Transaction) -> None:
+            txn.drop(self.rows_db, delete=True)
+            txn.put(META_KEY, meta_bytes(meta), db=self.meta_db)
+        self._write_txn(finish)
+        self.rows_db, self.version = None, FORMAT_VERSION
+        self.sync()
+
+    def _migrate_chunk(self, start: list, ntables: int) -> Callable[[lmdb.Transaction], None]:
+        """The body of one migration transaction: up to ``MIGRATE_CHUNK`` version-1 rows
+        from key ``start[0]`` on; sets ``start[0]`` to the next key (None: done)."""
+        at = start[0]
+
+        def body(txn: lmdb.Transaction) -> None:
+            cur = txn.cursor(db=self.rows_db)
+            keys, vals = [], []
+            if cur.set_range(at) if at else cur.first():
+                for k, v in cur:
+                    keys.append(k)
+                    vals.append(v)
+                    if len(keys) == MIGRATE_CHUNK:
+                        break
+            if not keys:
+                start[0] = None
+                return
+            if any(len(k) != 12 for k in keys):
+                raise StoreFormatError(self.path, "corrupt version-1 store: a key is not 12 bytes")
+            kv = np.frombuffer(b"".join(keys), dtype=KEY_DTYPE_V1)
+            t, ids = kv["t"].astype(np.int64), kv["k"].astype(np.uint64)
+            if int(t.max()) >= ntables:
+                raise StoreFormatError(self.path, f"corrupt version-1 store: a row of table {int(t.max())}, "
+                                                  f"but it has {ntables} tables")
+            cuts = np.flatnonzero(np.diff(t)) + 1
+            for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(t)]):
+                added = txn.cursor(db=self._dbs[int(t[a])]).putmulti(
+                    zip(key_list(ids[a:b]), vals[a:b]), append=True)[1]
+                if added != b - a:
+                    raise StoreFormatError(self.path, "corrupt version-1 store: its keys are out of order")
+            nxt = int.from_bytes(keys[-1], "big") + 1
+            start[0] = nxt.to_bytes(12, "big") if len(keys) == MIGRATE_CHUNK and nxt < 1 << 96 else None
+        return body
 
     # -- metadata ---------------------------------------------------------------
     def read_meta(self) -> dict | None:
@@ -148,7 +301,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             if not self._fresh:
                 raise StoreFormatError(self.path, "a hiermem-shaped LMDB environment without store metadata")
             return None
-        return parse_meta(self.path, raw)
+        return parse_meta(self.path, raw, version=self.version)
 
     _meta_bytes = staticmethod(meta_bytes)
 
@@ -159,8 +312,10 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         Rows not found are left zero in ``records``; duplicate ids get the same record.
         Queued write-backs win over LMDB (the newest queued record of a row is its value).
         """
-        with self._wq_cv:  # before reading LMDB: a batch committed meanwhile is still here
-            queued = list(self._wq)
+        queued = []
+        if self.write_behind:  # else nothing is ever queued
+            with self._wq_cv:  # before reading LMDB: a batch committed meanwhile is still here
+                queued = list(self._wq)
         found, out = self._read(table, ids, width)
         for q in queued:  # oldest first: the newest wins
             for t, qids, qrec in q.groups:
@@ -181,27 +336,36 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         out = np.zeros((n, width), dtype=np.float32)
         if n == 0:
             return found, out
-        keys = encode_keys(np.full(n, table, dtype=np.uint32), ids)
-        order = np.argsort(keys, kind="stable")
-        skeys = keys[order]
-        if n > 1 and bool((skeys[1:] == skeys[:-1]).any()):  # each distinct key once, then expand
-            uniq, inverse = np.unique(keys, return_inverse=True)
-            f, r = self._read(table, uniq.view(KEY_DTYPE)["k"], width)
-            return f[inverse], r[inverse]
+        self._check_version()
+        u = id_keys(ids)
+        order = None
+        if n > 1 and not bool((u[1:] > u[:-1]).all()):  # not sorted and distinct already
+            order = np.argsort(u, kind="stable")
+            su = u[order]
+            if bool((su[1:] == su[:-1]).any()):  # each distinct id once, then expand
+                uniq, inverse = np.unique(u, return_inverse=True)
+                f, r = self._read(table, uniq, width)
+                return f[inverse], r[inverse]
+        else:
+            su = u
         if self._ahead:
-            got = self._from_ahead(table, ids, found, out)
+            got = self._from_ahead(table, u, found, out)
             if got.all():
                 return found, out
             if got.any():  # read the rest
                 rest = ~got
-                f, r = self._read(table, ids[rest], width)
+                f, r = self._read(table, u[rest], width)
                 found[rest], out[rest] = f, r
                 return found, out
+        db = self._db(table)
+        if db is None:  # nothing of the table was ever written
+            return found, out
+        keys = key_list(su)
         t0 = time.perf_counter()
-        res = self.snapshot_read(lambda txn: txn.cursor(db=self.rows_db).getmulti(key_list(skeys)))
+        res = self.snapshot_read(lambda txn: txn.cursor(db=db).getmulti(keys))
         with self._ahead_cv:  # a read-ahead (another thread) observes it too
             self.read_seconds.observe(time.perf_counter() - t0)
-        self._parse(res, table, width, skeys, order, found, out)
+        self._parse(res, table, width, su, order, found, out)
         return found, out
 
     def snapshot_read(self, fn: Callable[[lmdb.Transaction], object], doing: str = "read"):
@@ -224,17 +388,24 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             raise HierMemError(f"{self.path}: LMDB map resized repeatedly during a {doing}")
         return retry_read(self.path, attempt, doing)
 
-    def _parse(self, res, table, width, skeys, order, found, out) -> None:
-        """Fill ``found``/``out`` at ``order`` positions from getmulti's ``res`` for ``skeys``."""
-        if res:
-            fk = np.frombuffer(b"".join([kv[0] for kv in res]), dtype="S12")
-            raw = b"".join([kv[1] for kv in res])
-            if len(raw) != len(res) * width * 4:
-                raise StoreFormatError(self.path, f"corrupt store: table {table} records are not {width} floats")
-            pos = order[np.searchsorted(skeys, fk)]
-            found[pos] = True
-            out[pos] = np.frombuffer(raw, dtype="<f4").reshape(len(res), width)
-            self.bytes_read += len(raw)
+    def _parse(self, res, table, width, sids, order, found, out) -> None:
+        """Fill ``found``/``out`` from getmulti's ``res`` for the sorted ids ``sids``, at
+        ``order``'s positions (None: ``sids`` are the positions' own order)."""
+        if not res:
+            return
+        raw = b"".join(map(_VALUE, res))
+        if len(raw) != len(res) * width * 4:
+            raise StoreFormatError(self.path, f"corrupt store: table {table} records are not {width} floats")
+        rec = np.frombuffer(raw, dtype="<f4").reshape(len(res), width)
+        if len(res) == len(sids):  # every row found (the usual case): no key to match
+            pos = slice(None) if order is None else order
+        else:
+            pos = np.searchsorted(sids, decode_keys(b"".join(map(_KEY, res))))
+            if order is not None:
+                pos = order[pos]
+        found[pos] = True
+        out[pos] = rec
+        self.bytes_read += len(raw)
 
     def durations(self) -> tuple[Histogram, Histogram]:
         """Copies of the read and write duration histograms."""
@@ -265,23 +436,25 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         return q.nbytes
 
     def _prepare(self, groups, meta: dict | None) -> _Queued:
+        self._check_version()
         out, nbytes = [], 0
         for table, ids, rec in groups:
             if len(ids) == 0:
                 continue
             rec = np.ascontiguousarray(rec, dtype="<f4")
-            keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
-            order = np.argsort(keys, kind="stable")  # in key order the B-tree's pages stay hot
-            out.append((table, np.asarray(ids).astype(np.uint64)[order], rec[order]))
+            u = id_keys(ids)
+            if len(u) > 1 and not bool((u[1:] > u[:-1]).all()):
+                order = np.argsort(u, kind="stable")  # in key order the B-tree's pages stay hot
+                u, rec = u[order], rec[order]
+            self._db(table, create=True)  # a table's first write makes its database (outside any transaction)
+            out.append((table, u, rec))
             nbytes += rec.nbytes
         return _Queued(out, None if meta is None else self._meta_bytes(meta), nbytes)
 
     def _txn_body(self, q: _Queued) -> Callable[[lmdb.Transaction], None]:
         def body(txn: lmdb.Transaction) -> None:
-            cur = txn.cursor(db=self.rows_db)
             for table, ids, rec in q.groups:
-                keys = encode_keys(np.full(len(ids), table, dtype=np.uint32), ids)
-                cur.putmulti(zip(key_list(keys), rec.view(f"V{rec.shape[1] * 4}").reshape(len(ids)).tolist()))
+                put_sorted(txn.cursor(db=self._dbs[table]), ids, rec)
             if q.meta_raw is not None:
                 txn.put(META_KEY, q.meta_raw, db=self.meta_db)
         return body
@@ -323,7 +496,8 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         meta_raw = None if meta is None else self._meta_bytes(meta)
 
         def body(txn: lmdb.Transaction) -> None:
-            txn.drop(self.rows_db, delete=False)
+            for db in self._dbs.values():
+                txn.drop(db, delete=False)
             if meta_raw is not None:
                 txn.put(META_KEY, meta_raw, db=self.meta_db)
 
@@ -347,7 +521,9 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             raise typed(self.path, e, "sync") from e
 
     def count(self) -> int:
-        return self.snapshot_read(lambda txn: txn.stat(self.rows_db)["entries"], "stat")
+        """Rows in LMDB, every table's."""
+        dbs = list(self._dbs.values()) if self.version == FORMAT_VERSION else [self.rows_db]
+        return self.snapshot_read(lambda txn: sum(txn.stat(db)["entries"] for db in dbs), "stat")
 
     def close(self) -> None:
         """Close the environment.  Queued write-backs not yet committed are dropped: the

@@ -45,7 +45,7 @@ class IOProcesses:
                 return None
         try:
             p = LmdbProcess(self.path, self.map_size, write=write, sync=self._sync,
-                            writemap=write and self.writemap)
+                            writemap=write and self.writemap, max_dbs=self._max_dbs)
         except (LmdbProcessError, OSError):
             self._proc_failed(None, None)
             return None

@@ -49,6 +49,7 @@ class LmdbProcess:
         sync: fsync every commit.
         writemap: write through the shared map (``MDB_WRITEMAP``; ``write`` only): the
             caller has allocated the file up to ``map_size``, the current map size.
+        max_dbs: LMDB's ``max_dbs`` (room for every table's database).
 
     Not thread-safe: one thread uses it (and, on Linux, the process is killed when that
     thread ends).
@@ -57,10 +58,11 @@ class LmdbProcess:
         LmdbProcessError: the process did not start or could not open the store.
     """
 
-    def __init__(self, path: str | os.PathLike, map_size: int, write: bool, sync: bool, writemap: bool = False):
+    def __init__(self, path: str | os.PathLike, map_size: int, write: bool, sync: bool, writemap: bool = False,
+                 max_dbs: int = 32):
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVER), str(path), str(int(map_size)), "w" if write else "r",
-             "1" if sync else "0", str(os.getpid()), "1" if write and writemap else "0"],
+             "1" if sync else "0", str(os.getpid()), "1" if write and writemap else "0", str(int(max_dbs))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
         try:
             self._call(None, b"", timeout=START_TIMEOUT)
@@ -108,15 +110,16 @@ class LmdbProcess:
             self._send(op, payload)
         return self._wait(timeout)
 
-    def read(self, groups: list[tuple[np.ndarray, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(sorted S12 keys, width)`` groups -> per group ``(found bool[n], records [n, width])``."""
+    def read(self, groups: list[tuple[int, np.ndarray, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(table, sorted distinct uint64 ids, width)`` groups -> per group ``(found
+        bool[n], records [n, width])``."""
         parts = [struct.pack("<I", len(groups))]
-        for keys, width in groups:
-            parts += [struct.pack("<IQ", width, len(keys)), np.ascontiguousarray(keys).tobytes()]
+        for table, ids, width in groups:
+            parts += [struct.pack("<IIQ", table, width, len(ids)), np.ascontiguousarray(ids, dtype=np.uint64).tobytes()]
         raw = self._call(b"R", b"".join(parts))
         out, off = [], 0
-        for keys, width in groups:
-            n = len(keys)
+        for _, ids, width in groups:
+            n = len(ids)
             found = np.frombuffer(raw, dtype=np.uint8, count=n, offset=off).astype(bool)
             off += n
             rec = np.frombuffer(raw, dtype="<f4", count=n * width, offset=off).reshape(n, width).copy()
@@ -124,19 +127,19 @@ class LmdbProcess:
             out.append((found, rec))
         return out
 
-    def write(self, groups: list[tuple[np.ndarray, np.ndarray]], meta: bytes | None) -> None:
-        """Commit ``(sorted S12 keys, float32 records [n, w])`` groups and ``meta`` in one
-        transaction."""
+    def write(self, groups: list[tuple[int, np.ndarray, np.ndarray]], meta: bytes | None) -> None:
+        """Commit ``(table, sorted distinct uint64 ids, float32 records [n, w])`` groups and
+        ``meta`` in one transaction (every table's database exists already)."""
         self.begin_write(groups, meta)
         self._wait()
 
-    def begin_write(self, groups: list[tuple[np.ndarray, np.ndarray]], meta: bytes | None) -> None:
+    def begin_write(self, groups: list[tuple[int, np.ndarray, np.ndarray]], meta: bytes | None) -> None:
         """Send :meth:`write`'s request without waiting for its commit (then ``_wait()``)."""
         parts = [struct.pack("<I", len(groups))]
-        for keys, rec in groups:
+        for table, ids, rec in groups:
             rec = np.ascontiguousarray(rec, dtype="<f4")
-            parts += [struct.pack("<IQ", rec.shape[1] * 4, len(keys)), np.ascontiguousarray(keys).tobytes(),
-                      rec.tobytes()]
+            parts += [struct.pack("<IIQ", table, rec.shape[1] * 4, len(ids)),
+                      np.ascontiguousarray(ids, dtype=np.uint64).tobytes(), rec.tobytes()]
         parts += [struct.pack("<I", len(meta or b"")), meta or b""]
         self._send(b"W", b"".join(parts))
 

@@ -75,10 +75,9 @@ class MapGrowth:
         self.env.close()
         for wm in (True, False):  # should the reopen fail, back to the plain environment
             try:
-                self.env = lmdb.open(str(self.path), map_size=size, max_dbs=4, readahead=False, meminit=False,
-                                     create=False, sync=sync, writemap=wm)
-                self.rows_db = self.env.open_db(b"rows", create=False)
-                self.meta_db = self.env.open_db(b"meta", create=False)
+                self.env = lmdb.open(str(self.path), map_size=size, max_dbs=self._max_dbs, readahead=False,
+                                     meminit=False, create=False, sync=sync, writemap=wm)
+                self._open_dbs()
             except lmdb.Error as e:
                 if not wm:
                     raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e

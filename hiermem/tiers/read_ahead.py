@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import StoreFormatError
 from .lmdb_process import LmdbProcessError
-from .records import encode_keys, key_list
+from .records import key_list
 
 @dataclass
 class _Ahead:
@@ -119,12 +119,11 @@ class ReadAhead:
         """Records of ``(table, ids, width)`` groups, read by this thread's I/O process
         (or here)."""
         groups = [(table, np.sort(np.asarray(ids).astype(np.uint64)), width) for table, ids, width in groups]
-        keys = [encode_keys(np.full(len(ids), table, dtype=np.uint32), ids) for table, ids, _ in groups]
         proc = self._proc(write=False)
         if proc is not None:
             t0 = time.perf_counter()
             try:
-                got = proc.read([(k, w) for k, (_, _, w) in zip(keys, groups)])
+                got = proc.read(groups)
             except LmdbProcessError as e:
                 self._proc_failed(proc, e)
             else:
@@ -134,17 +133,18 @@ class ReadAhead:
                     self.bytes_read += int(found.sum()) * rec.shape[1] * 4
                 return [_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool))
                         for (table, ids, _), (found, rec) in zip(groups, got)]
+        dbs = [self._db(table) for table, _, _ in groups]  # before the transaction: opening one takes its own
         chunks = []
-        with self.env.begin(db=self.rows_db, buffers=False) as txn:
-            cur = txn.cursor()
-            for (table, ids, width), k in zip(groups, keys):
+        with self.env.begin(buffers=False) as txn:
+            for (table, ids, width), db in zip(groups, dbs):
                 found = np.zeros(len(ids), dtype=bool)
                 rec = np.zeros((len(ids), width), dtype=np.float32)
-                t0 = time.perf_counter()
-                res = cur.getmulti(key_list(k))
-                with self._ahead_cv:
-                    self.read_seconds.observe(time.perf_counter() - t0)
-                self._parse(res, table, width, k, np.arange(len(ids)), found, rec)
+                if db is not None and len(ids):
+                    t0 = time.perf_counter()
+                    res = txn.cursor(db=db).getmulti(key_list(ids))
+                    with self._ahead_cv:
+                        self.read_seconds.observe(time.perf_counter() - t0)
+                    self._parse(res, table, width, ids, None, found, rec)
                 chunks.append(_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool)))
         return chunks
 

@@ -1,41 +1,80 @@
 """Record format and keys of the disk tier's LMDB environment.
 
-Keys are 12 bytes, big-endian ``(table index u32, id u64)``, so LMDB's byte order is
-numeric order.  A value is the row's record (weights then optimizer state, the table's
-own width: ``dim + state_width(dim)`` floats) as little-endian float32.  A sub-database
-``meta`` holds the store's layout as JSON under ``META_KEY``, with the format marker and
-version.
+Format version 2 (this one): one LMDB sub-database per table, named ``t<index>``
+(:func:`table_db`) and opened with ``integerkey=True``; a key is the row id as a
+native-endian ``uint64`` (8 bytes; LMDB compares keys as integers, so numpy's sorted ids
+are LMDB's order and a batch's keys are one ``view`` of its id array); a value is the
+row's record (weights then optimizer state, the table's own width: ``dim +
+state_width(dim)`` floats) as little-endian float32, every value of a table the same
+size.  A sub-database ``meta`` holds the store's layout as JSON under ``META_KEY``, with
+the format marker and version.
+
+Format version 1 (before): one sub-database ``rows`` for every table, 12-byte big-endian
+``(table u32, id u64)`` keys compared as bytes, the same values.  A writable open
+migrates it (:meth:`hiermem.tiers.disk.DiskTier._migrate_v1`); a read-only one refuses
+it with :class:`~hiermem.errors.StoreVersionError`, as every open refuses a version it
+does not know.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreFormatError
+from ..errors import StoreFormatError, StoreVersionError
 
-KEY_DTYPE = np.dtype([("t", ">u4"), ("k", ">u8")])
 META_KEY = b"store"
+META_DB = b"meta"
+ROWS_DB_V1 = b"rows"  # version 1's one database of every table's rows
 FORMAT = "hiermem-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+KEY_DTYPE = np.dtype("=u8")  # a key: the row id, native-endian (LMDB's integerkey)
+KEY_DTYPE_V1 = np.dtype([("t", ">u4"), ("k", ">u8")])
+_TABLE_DB = re.compile(rb"t(0|[1-9][0-9]{0,8})")
 
 
-def encode_keys(t: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Keys as an ``S12`` array (sortable; use :func:`key_list` for LMDB, as ``S``
-    conversion to ``bytes`` drops trailing zero bytes)."""
-    a = np.empty(len(k), dtype=KEY_DTYPE)
+def table_db(table: int) -> bytes:
+    """The name of table ``table``'s sub-database."""
+    return b"t%d" % table
+
+
+def table_of_db(name: bytes) -> int | None:
+    """The table index of a sub-database name (None: not a table's)."""
+    m = _TABLE_DB.fullmatch(name)
+    return None if m is None else int(m.group(1))
+
+
+def id_keys(ids) -> np.ndarray:
+    """Row ids as contiguous native ``uint64`` (the keys' integers; sort them for LMDB)."""
+    return np.ascontiguousarray(np.asarray(ids).astype(np.uint64, copy=False))
+
+
+def key_list(ids: np.ndarray) -> list[bytes]:
+    """``uint64`` ids as a list of 8-byte keys (``V8``: ``S`` would drop trailing zeros)."""
+    return np.ascontiguousarray(ids, dtype=KEY_DTYPE).view("V8").tolist()
+
+
+def decode_keys(raw: bytes) -> np.ndarray:
+    """Concatenated 8-byte keys as ``uint64`` ids."""
+    return np.frombuffer(raw, dtype=KEY_DTYPE)
+
+
+def value_list(rec: np.ndarray) -> list[bytes]:
+    """Records ``[n, w]`` as a list of ``4 * w``-byte little-endian float32 values."""
+    rec = np.ascontiguousarray(rec, dtype="<f4")
+    return rec.view(f"V{rec.shape[1] * 4}").reshape(len(rec)).tolist()
+
+
+def encode_keys_v1(t: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Version 1 keys as an ``S12`` array (for migrating and for tests of it)."""
+    a = np.empty(len(k), dtype=KEY_DTYPE_V1)
     a["t"] = t
     a["k"] = k
     return a.view("S12")
-
-
-def key_list(keys: np.ndarray) -> list[bytes]:
-    """``S12`` keys as a list of 12-byte ``bytes`` (``V12`` keeps trailing zeros)."""
-    return keys.view("V12").tolist()
-
 
 
 _META_MAGIC = 0xBEEFC0DE
@@ -76,15 +115,18 @@ def _check_lmdb_file(path: Path, data: Path) -> None:
 
 
 def meta_bytes(meta: dict) -> bytes:
-    """The metadata value: ``meta`` with the format marker and version."""
+    """The metadata value: ``meta`` with the format marker and (this) version."""
     return json.dumps({**meta, "format": FORMAT, "version": FORMAT_VERSION}, sort_keys=True).encode()
 
 
-def parse_meta(path, raw: bytes) -> dict:
-    """The metadata value ``raw`` of the store at ``path`` as a dict.
+def parse_meta(path, raw: bytes, version: int = FORMAT_VERSION) -> dict:
+    """The metadata value ``raw`` of the store at ``path`` as a dict; its version must be
+    ``version`` (the one its databases have).
 
     Raises:
-        StoreFormatError: not JSON, not a hiermem store, or another format version.
+        StoreVersionError: a version this hiermem does not know.
+        StoreFormatError: not JSON, not a hiermem store, or a version its databases do
+            not have.
     """
     try:
         meta = json.loads(raw)
@@ -92,6 +134,18 @@ def parse_meta(path, raw: bytes) -> dict:
         raise StoreFormatError(path, f"corrupt store metadata: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise StoreFormatError(path, "not a hiermem store (bad format marker)")
-    if meta.get("version") != FORMAT_VERSION:
-        raise StoreFormatError(path, f"store format version {meta.get('version')} is not {FORMAT_VERSION}")
+    have = meta.get("version")
+    if have not in (1, FORMAT_VERSION):
+        raise StoreVersionError(path, have, f"store format version {have!r} is not one this hiermem reads "
+                                            f"(it reads {FORMAT_VERSION} and migrates 1); written by a newer hiermem?")
+    if have != version:
+        raise StoreFormatError(path, f"corrupt store: its metadata says format version {have}, its databases "
+                                     f"are version {version}'s")
     return meta
+
+
+def refuse_v1(path, doing: str):
+    """The :class:`StoreVersionError` for a version-1 store that ``doing`` cannot migrate."""
+    return StoreVersionError(path, 1, f"store format version 1 (one 'rows' database, 12-byte keys) is older than "
+                                      f"this hiermem's version {FORMAT_VERSION}; {doing} cannot migrate it: open it "
+                                      f"once for writing (HierarchicalStore.open), which migrates it in place")

@@ -20,7 +20,6 @@ from typing import Iterable
 import numpy as np
 
 from .lmdb_process import LmdbProcess, LmdbProcessError
-from .records import encode_keys
 
 WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
 
@@ -103,8 +102,7 @@ class WriteBehind:
     @staticmethod
     def _proc_write(proc: LmdbProcess, q: _Queued) -> None:
         """Commit a queued write-back in the writer thread's I/O process."""
-        proc.write([(encode_keys(np.full(len(ids), t, dtype=np.uint32), ids), rec) for t, ids, rec in q.groups],
-                   q.meta_raw)
+        proc.write(q.groups, q.meta_raw)
 
     def _committed(self, q: _Queued, t0: float) -> None:
         self._written([(t, ids) for t, ids, _ in q.groups])  # a read-ahead open meanwhile drops them

@@ -27,6 +27,7 @@ from .dataplane import RowGrads
 from .dataplane.batch import bag_of, first_bad
 from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError
 from .stats import IO, timed
+from .tiers.slots import by_table
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -276,7 +277,8 @@ class BatchedOps:
             if not bool(miss.any()):
                 return 0
             mt, mk = b.t[miss].cpu(), b.k[miss].cpu()
-            groups = [(ti, mk[mt == ti].numpy(), self.widths[ti]) for ti in torch.unique(mt).tolist()]
+            mk_np = mk.numpy()
+            groups = [(ti, mk_np[m], self.widths[ti]) for ti, m in by_table(mt.numpy())]
             token = self._disk.begin_read_ahead()
         return self._disk.read_ahead(groups, token, keep=keep)
 

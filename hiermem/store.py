@@ -46,7 +46,7 @@ from .batched import BatchedOps
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
-from .tiers.slots import Rows, by_tier
+from .tiers.slots import Rows, by_table, by_tier
 from .types import StoreConfig, TableSpec, Tier
 
 _OPEN: set[str] = set()  # store directories open in this process
@@ -425,24 +425,24 @@ class HierarchicalStore(BatchedOps, Checkpointing):
     # -- residency ----------------------------------------------------------------
     def _read(self, t: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Records of non-resident rows (cpu): from LMDB if written, else initial."""
-        rec = torch.zeros((k.numel(), self.width), dtype=torch.float32)
-        found = torch.zeros(k.numel(), dtype=torch.bool)
+        kn = k.numpy()
+        rec = np.zeros((kn.size, self.width), dtype=np.float32)
+        found = np.zeros(kn.size, dtype=np.bool_)
         nbytes = 0
-        for ti in torch.unique(t).tolist():
-            m = (t == ti).nonzero().squeeze(1)
+        for ti, m in by_table(t.numpy()):
             w = self.widths[ti]
-            f, r = self._disk.read(ti, k[m].numpy(), w)
-            f = torch.from_numpy(f)
-            if bool(f.any()):
-                fm = m[f]
-                rec[fm, :w] = torch.from_numpy(r)[f]
-                found[fm] = True
-                nbytes += int(f.sum()) * w * 4
+            f, r = self._disk.read(ti, kn[m], w)
+            if f.all():
+                rec[m, :w], found[m] = r, True
+                nbytes += m.size * w * 4
+                continue
+            fm = m[f]
+            rec[fm, :w], found[fm] = r[f], True
+            nbytes += fm.size * w * 4
             new = m[~f]
-            if new.numel():
-                rec[new, :w] = self._initial_records(ti, k[new])
+            rec[new, :w] = self._initial_records(ti, torch.from_numpy(kn[new])).numpy()
         self.counters.add_io(IO.BYTES_DISK_TO_HOST, nbytes)
-        return rec, found
+        return torch.from_numpy(rec), torch.from_numpy(found)
 
     def _initial_records(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
         """Records ``[n, widths[ti]]`` of rows of table ``ti`` never written (a hook: a shard
@@ -451,10 +451,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
     def _write_down(self, rows: Rows, meta: bool = True, sync: bool = False) -> int:
         """Write rows (cpu) to LMDB in one transaction (with the metadata)."""
-        groups = []
-        for ti in torch.unique(rows.t).tolist():
-            m = (rows.t == ti).nonzero().squeeze(1)
-            groups.append((ti, rows.k[m].numpy(), rows.rec[m, :self.widths[ti]].numpy()))
+        k, rec = rows.k.numpy(), rows.rec.numpy()
+        groups = [(ti, k[m], rec[m, :self.widths[ti]]) for ti, m in by_table(rows.t.numpy())]
         if sync:
             nbytes = self._disk.write(groups, meta=self._meta() if meta else None, sync=True)
         else:  # an eviction write-back: queued for the writer thread with write_behind

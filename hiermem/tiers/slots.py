@@ -41,6 +41,17 @@ def by_tier(g: np.ndarray, dev: "SlotTier", host: "SlotTier") -> tuple:
     return (host, g[on_host] - host.base), (dev, g[~on_host])
 
 
+def by_table(t: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``[(table, positions)]`` of table codes ``t`` (int, numpy), tables ascending, each
+    table's positions in their order in ``t``: one stable sort, not a pass per table."""
+    if t.size == 0:
+        return []
+    order = np.argsort(t, kind="stable")
+    ts = t[order]
+    cuts = [0, *(np.flatnonzero(ts[1:] != ts[:-1]) + 1).tolist(), t.size]
+    return [(int(ts[a]), order[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
 class SlotTier:
     """``capacity`` slots of ``width`` floats on ``device``; global slots start at ``base``."""
 

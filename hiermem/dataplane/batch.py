@@ -199,3 +199,24 @@ def bag_of(offsets, n):
         for j in range(offsets[b], e):
             out[j] = b
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def offsets_bad(offsets, n):
+    """Whether int64 ``offsets [B]`` (B >= 1) fail to start at 0, decrease somewhere or
+    pass ``n``: one pass instead of three torch reductions."""
+    if offsets[0] != 0 or offsets[offsets.size - 1] > n:
+        return True
+    for b in range(1, offsets.size):
+        if offsets[b] < offsets[b - 1]:
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def tables_present(t, ntables):
+    """Sorted distinct values of int64 ``t`` (table indices in ``[0, ntables)``)."""
+    seen = np.zeros(ntables, dtype=np.bool_)
+    for i in range(t.size):
+        seen[t[i]] = True
+    return np.flatnonzero(seen)

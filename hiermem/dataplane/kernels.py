@@ -91,19 +91,23 @@ def add_row(acc, src, r, cols, weighted, w):
             acc[c] += src[r, c]
 
 
-@parallel
-def pool(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out):
-    """Pooled rows: ``out[b, :cols] = sum_j rec(gslot[inverse[j]])[:cols] * scale[j]`` over
-    bag ``b``'s positions (``/ len`` when ``mean``; an empty bag pools to zeros).
+#: row widths the kernels are specialised for: with the width a constant, LLVM keeps
+#: the accumulator in vector registers across a bag's (a row's) ids instead of storing
+#: and reloading it per id (a dependency chain through memory); other widths run the
+#: same code with the width a variable.
+W16, W32, W64, W128 = 16, 32, 64, 128
+#: bags (lookup) per parallel chunk
+BAG_CHUNK = 64
 
-    ``inverse``: int64 ``[n]`` each position's distinct row; ``offsets``: int64 ``[B]``;
-    ``out``: float32 ``[B, cols]``, C-contiguous, ``cols <= W``.
-    """
-    nb, cols = out.shape
+
+@serial
+def pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols):
+    """Bags ``lo:hi`` of :func:`pool` (``cols`` a constant in the specialised callers)."""
+    nb = out.shape[0]
     weighted = scale.size > 0
     nbytes = cols * 4
-    for b in prange(nb):
-        acc = scratch(cols)
+    acc = scratch(cols)
+    for b in range(lo, hi):
         s = offsets[b]
         e = offsets[b + 1] if b + 1 < nb else n
         for c in range(cols):
@@ -123,6 +127,30 @@ def pool(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out):
                 acc[c] /= ln
         for c in range(cols):
             out[b, c] = acc[c]
+
+
+@parallel
+def pool(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out):
+    """Pooled rows: ``out[b, :cols] = sum_j rec(gslot[inverse[j]])[:cols] * scale[j]`` over
+    bag ``b``'s positions (``/ len`` when ``mean``; an empty bag pools to zeros).
+
+    ``inverse``: int64 ``[n]`` each position's distinct row; ``offsets``: int64 ``[B]``;
+    ``out``: float32 ``[B, cols]``, C-contiguous, ``cols <= W``.
+    """
+    nb, cols = out.shape
+    for ch in prange((nb + BAG_CHUNK - 1) // BAG_CHUNK):
+        lo = ch * BAG_CHUNK
+        hi = min(nb, lo + BAG_CHUNK)
+        if cols == W16:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W16)
+        elif cols == W32:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W32)
+        elif cols == W64:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W64)
+        elif cols == W128:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W128)
+        else:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols)
 
 
 @serial
@@ -180,25 +208,59 @@ def sgd_row(rec, r, acc, dim, nlr):
         rec[r, c] += nlr * acc[c]
 
 
+@serial
+def uniform_dim(t, dims):
+    """The dim of every table of the batch when they share one, else 0."""
+    d = dims[t[0]] if t.size else 0
+    for i in range(dims.size):
+        if dims[i] != d:
+            return 0
+    return d
+
+
+@serial
+def sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad, scale,
+             nlr, nbytes, wdim):
+    """Distinct rows ``lo:hi`` of :func:`sgd`; ``wdim``: every row's dim (a constant in the
+    specialised callers), or 0 (each row's table's)."""
+    acc = scratch(grad.shape[1] if wdim == 0 else wdim)
+    for u in range(lo, hi):
+        next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, hi, nbytes)
+        dim = wdim if wdim > 0 else dims[t[u]]
+        row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
+        g = gslot[u]
+        if g < cap:
+            dev_dirty[g] = True
+            sgd_row(dev, g, acc, dim, nlr)
+        else:
+            host_dirty[g - cap] = True
+            sgd_row(host, g - cap, acc, dim, nlr)
+
+
 @parallel
 def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
         coef, lr):
     """SGD in place: ``w -= lr * g`` (see the module docstring for the arguments)."""
     nlr = np.float32(-lr)
     nbytes = dev.shape[1] * 4
+    wd = uniform_dim(t, dims)
     for task in prange(bounds.size - 1):
-        acc = scratch(grad.shape[1])
-        for u in range(bounds[task], bounds[task + 1]):
-            next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
-            dim = dims[t[u]]
-            row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
-            g = gslot[u]
-            if g < cap:
-                dev_dirty[g] = True
-                sgd_row(dev, g, acc, dim, nlr)
-            else:
-                host_dirty[g - cap] = True
-                sgd_row(host, g - cap, acc, dim, nlr)
+        lo, hi = bounds[task], bounds[task + 1]
+        if wd == W16:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W16)
+        elif wd == W32:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W32)
+        elif wd == W64:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W64)
+        elif wd == W128:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W128)
+        else:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, 0)
 
 
 @serial

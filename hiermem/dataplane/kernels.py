@@ -7,8 +7,16 @@ No ``[n, dim]`` (per id) nor ``[U, dim]`` (per distinct row) intermediate is for
 the lookup pools each bag into its output row, and the backward sums each distinct
 row's gradient in a ``dim``-float buffer and applies the optimizer to the record in
 place.  ``numba.njit(parallel=True, cache=True, nogil=True)``: the pooled lookup runs
-in parallel over bags, the backward over tasks of distinct rows (each row is written by
-one thread only: no atomics, no races); the caller sets numba's thread count.
+in parallel over chunks of bags, the backward over tasks of distinct rows (each row is
+written by one thread only: no atomics, no races); the caller sets numba's thread count.
+
+How they are written (each measured on ``bench_store``/``bench_train`` batches, see
+docs/dataplane.md): rows are added eight columns at a time into an accumulator on the
+stack (:mod:`~hiermem.dataplane.simd`; numba's own loops compiled to one scalar add and
+store per column); tier rows are indexed ``dev[g, c]``, never taken as views (a view per
+id is a reference-count round trip); the row of the id (distinct row) ``AHEAD`` places
+on is prefetched; and the common row widths (16, 32, 64, 128) have their own compiled
+copy, where the width is a constant and the accumulator lives in registers.
 
 Summation order (the torch reference path, :class:`~hiermem.dataplane.TorchPlane`,
 adds in the same order): a bag's rows in input order; a distinct row's gradient over

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .dataplane import RowGrads
-from .dataplane.batch import bag_of, first_bad
+from .dataplane.batch import bag_of, first_bad, offsets_bad, tables_present
 from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError
 from .stats import IO, timed
 from .tiers.slots import by_table
@@ -398,7 +398,11 @@ class BatchedOps:
         offsets = offsets.to(self.device, torch.int64)
         if offsets.numel() == 0:
             raise InvalidArgumentError("offsets must have one entry per bag (at least one)")
-        if int(offsets[0]) != 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any()):
+        if offsets.device.type == "cpu":  # one compiled pass
+            bad = offsets_bad(offsets.contiguous().numpy(), n)
+        else:
+            bad = int(offsets[0]) != 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any())
+        if bad:
             raise InvalidArgumentError(f"offsets must start at 0, not decrease and not pass len(ids)={n}")
         return offsets
 
@@ -564,7 +568,10 @@ class BatchedOps:
                 if not self.revoke_prefetches():
                     raise
                 p = self._place(b, account=False)
-        present = torch.unique(b.t).tolist()
+        if b.t.device.type == "cpu":  # one compiled pass over the distinct rows
+            present = tables_present(b.t.contiguous().numpy(), len(self.tables)).tolist()
+        else:
+            present = torch.unique(b.t).tolist()
         for ti in set(stepped or ()) | set(present):  # in the batch without ids: a step, as SparseAdam's
             self._steps[ti] += 1
         self.plane.apply(self, rg, p, present)

@@ -104,6 +104,7 @@ class Counters:
         self.num_tables = num_tables
         self.table = torch.zeros((num_tables, len(STAT_TIERS), len(Stat)), dtype=torch.int64)
         self.io = torch.zeros(len(IO), dtype=torch.int64)
+        self._io = self.io.numpy()  # the same memory: a bump costs no torch op
         self.lookup_seconds = Histogram()  # lookup and lookup_pooled calls
         self.update_seconds = Histogram()  # update and update_pooled calls
 
@@ -116,7 +117,7 @@ class Counters:
             self.table[:, tier, stat] += torch.bincount(t.cpu(), minlength=self.num_tables)
 
     def add_io(self, what: IO, n: int) -> None:
-        self.io[what] += int(n)
+        self._io[what] += int(n)
 
 
 def timed(hist: str):

@@ -63,6 +63,8 @@ def sort_runs(x, t, off):
         lo, hi = key.min(), key.max()
         for i in range(n):
             key[i] -= lo
+        if not lex and hi - lo < np.uint64(2 * n + 1024):  # a span of the batch's size: count
+            return _count_runs(x, t, key, np.int64(hi - lo) + 1)
         key, perm = _radix(key, perm, _passes(hi - lo))
         if lex:  # then by table, stably
             tlo, thi = t.min(), t.max()
@@ -95,6 +97,49 @@ def sort_runs(x, t, off):
     nr = r + 1
     return (perm, starts[:nr].copy(), inverse, counts[:nr].copy(), lastpos[:nr].copy(), ux[:nr].copy(),
             ut[:nr].copy())
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_runs(x, t, key, span):
+    """:func:`sort_runs` by counting, for keys ``key`` (uint64, ``[0, span)``, span about the
+    batch's size or less): one pass to count, one over the span for the runs (the distinct
+    keys in order), one stable scatter; the same outputs as the radix sort."""
+    n = key.size
+    nxt = np.zeros(span, dtype=np.int64)
+    for i in range(n):
+        nxt[key[i]] += 1
+    rank = np.empty(span, dtype=np.int64)
+    starts = np.empty(n, dtype=np.int64)
+    counts = np.empty(n, dtype=np.int64)
+    nr = 0
+    pos = 0
+    for v in range(span):
+        c = nxt[v]
+        if c:
+            starts[nr] = pos
+            counts[nr] = c
+            rank[v] = nr
+            nxt[v] = pos
+            pos += c
+            nr += 1
+    perm = np.empty(n, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    for i in range(n):  # stable: equal keys keep their input order
+        v = key[i]
+        q = nxt[v]
+        nxt[v] = q + 1
+        perm[q] = i
+        inverse[i] = rank[v]
+    lastpos = np.empty(nr, dtype=np.int64)
+    ux = np.empty(nr, dtype=np.int64)
+    ut = np.empty(nr if t.size else 0, dtype=np.int64)
+    for r in range(nr):
+        j = perm[starts[r]]
+        ux[r] = x[j]
+        if t.size:
+            ut[r] = t[j]
+        lastpos[r] = perm[starts[r] + counts[r] - 1]
+    return perm, starts[:nr].copy(), inverse, counts[:nr].copy(), lastpos, ux, ut
 
 
 @numba.njit(cache=True, nogil=True)
@@ -199,3 +244,24 @@ def bag_of(offsets, n):
         for j in range(offsets[b], e):
             out[j] = b
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def offsets_bad(offsets, n):
+    """Whether int64 ``offsets [B]`` (B >= 1) fail to start at 0, decrease somewhere or
+    pass ``n``: one pass instead of three torch reductions."""
+    if offsets[0] != 0 or offsets[offsets.size - 1] > n:
+        return True
+    for b in range(1, offsets.size):
+        if offsets[b] < offsets[b - 1]:
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def tables_present(t, ntables):
+    """Sorted distinct values of int64 ``t`` (table indices in ``[0, ntables)``)."""
+    seen = np.zeros(ntables, dtype=np.bool_)
+    for i in range(t.size):
+        seen[t[i]] = True
+    return np.flatnonzero(seen)

@@ -7,8 +7,16 @@ No ``[n, dim]`` (per id) nor ``[U, dim]`` (per distinct row) intermediate is for
 the lookup pools each bag into its output row, and the backward sums each distinct
 row's gradient in a ``dim``-float buffer and applies the optimizer to the record in
 place.  ``numba.njit(parallel=True, cache=True, nogil=True)``: the pooled lookup runs
-in parallel over bags, the backward over tasks of distinct rows (each row is written by
-one thread only: no atomics, no races); the caller sets numba's thread count.
+in parallel over chunks of bags, the backward over tasks of distinct rows (each row is
+written by one thread only: no atomics, no races); the caller sets numba's thread count.
+
+How they are written (each measured on ``bench_store``/``bench_train`` batches, see
+docs/dataplane.md): rows are added eight columns at a time into an accumulator on the
+stack (:mod:`~hiermem.dataplane.simd`; numba's own loops compiled to one scalar add and
+store per column); tier rows are indexed ``dev[g, c]``, never taken as views (a view per
+id is a reference-count round trip); the row of the id (distinct row) ``AHEAD`` places
+on is prefetched; and the common row widths (16, 32, 64, 128) have their own compiled
+copy, where the width is a constant and the accumulator lives in registers.
 
 Summation order (the torch reference path, :class:`~hiermem.dataplane.TorchPlane`,
 adds in the same order): a bag's rows in input order; a distinct row's gradient over
@@ -42,6 +50,8 @@ import numba
 import numpy as np
 from numba import prange
 
+from .simd import V, add8, addmul8, axpy8, mov8, movmul8, prefetch_item, prefetch_row, stack_f32
+
 def parallel(fn):
     """A data-plane kernel: parallel, cached on disk, releasing the GIL."""
     return numba.njit(cache=True, nogil=True, parallel=True)(fn)
@@ -50,6 +60,81 @@ def parallel(fn):
 def serial(fn):
     """A helper of the kernels (compiled into them)."""
     return numba.njit(cache=True, nogil=True, inline="always")(fn)
+
+
+#: floats of the kernels' stack accumulator (wider rows take a heap one)
+ACC = 1024
+#: how many ids (lookup) or distinct rows (backward) ahead a row is prefetched
+AHEAD = 8
+
+
+@serial
+def scratch(cols):
+    """A float32 accumulator of at least ``cols`` floats (on the stack up to ``ACC``)."""
+    return stack_f32(ACC) if cols <= ACC else np.empty(cols, dtype=np.float32)
+
+
+@serial
+def prefetch_slot(dev, host, cap, g, nbytes):
+    """Prefetch the first ``nbytes`` of global slot ``g``'s record."""
+    if g < cap:
+        prefetch_row(dev, g, nbytes)
+    else:
+        prefetch_row(host, g - cap, nbytes)
+
+
+@serial
+def add_row(acc, src, r, cols, weighted, w):
+    """``acc[:cols] += src[r, :cols] (* w)``, eight columns at a time."""
+    cv = cols - cols % V
+    if weighted:
+        for c in range(0, cv, V):
+            addmul8(acc, c, src, r, c, w)
+        for c in range(cv, cols):
+            acc[c] += src[r, c] * w
+    else:
+        for c in range(0, cv, V):
+            add8(acc, c, src, r, c)
+        for c in range(cv, cols):
+            acc[c] += src[r, c]
+
+
+#: row widths the kernels are specialised for: with the width a constant, LLVM keeps
+#: the accumulator in vector registers across a bag's (a row's) ids instead of storing
+#: and reloading it per id (a dependency chain through memory); other widths run the
+#: same code with the width a variable.
+W16, W32, W64, W128 = 16, 32, 64, 128
+#: bags (lookup) per parallel chunk
+BAG_CHUNK = 64
+
+
+@serial
+def pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols):
+    """Bags ``lo:hi`` of :func:`pool` (``cols`` a constant in the specialised callers)."""
+    nb = out.shape[0]
+    weighted = scale.size > 0
+    nbytes = cols * 4
+    acc = scratch(cols)
+    for b in range(lo, hi):
+        s = offsets[b]
+        e = offsets[b + 1] if b + 1 < nb else n
+        for c in range(cols):
+            acc[c] = np.float32(0.0)
+        for j in range(s, e):
+            if j + AHEAD < n:
+                prefetch_slot(dev, host, cap, gslot[inverse[j + AHEAD]], nbytes)
+            g = gslot[inverse[j]]
+            w = scale[j] if weighted else np.float32(1.0)
+            if g < cap:
+                add_row(acc, dev, g, cols, weighted, w)
+            else:
+                add_row(acc, host, g - cap, cols, weighted, w)
+        if mean and e > s:
+            ln = np.float32(e - s)
+            for c in range(cols):
+                acc[c] /= ln
+        for c in range(cols):
+            out[b, c] = acc[c]
 
 
 @parallel
@@ -61,27 +146,19 @@ def pool(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out):
     ``out``: float32 ``[B, cols]``, C-contiguous, ``cols <= W``.
     """
     nb, cols = out.shape
-    weighted = scale.size > 0
-    for b in prange(nb):
-        s = offsets[b]
-        e = offsets[b + 1] if b + 1 < nb else n
-        o = out[b]
-        for c in range(cols):
-            o[c] = np.float32(0.0)
-        for j in range(s, e):
-            g = gslot[inverse[j]]
-            row = dev[g] if g < cap else host[g - cap]
-            if weighted:
-                w = scale[j]
-                for c in range(cols):
-                    o[c] += row[c] * w
-            else:
-                for c in range(cols):
-                    o[c] += row[c]
-        if mean and e > s:
-            ln = np.float32(e - s)
-            for c in range(cols):
-                o[c] /= ln
+    for ch in prange((nb + BAG_CHUNK - 1) // BAG_CHUNK):
+        lo = ch * BAG_CHUNK
+        hi = min(nb, lo + BAG_CHUNK)
+        if cols == W16:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W16)
+        elif cols == W32:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W32)
+        elif cols == W64:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W64)
+        elif cols == W128:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W128)
+        else:
+            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols)
 
 
 @serial
@@ -90,34 +167,82 @@ def row_grad(acc, dim, perm, q0, cnt, src, grad, scale):
     input order) of ``grad[src[j], :dim] * scale[j]``."""
     direct = src.size == 0
     weighted = scale.size > 0
+    dv = dim - dim % V
     for q in range(q0, q0 + cnt):
         j = perm[q]
         r = j if direct else src[j]
-        gr = grad[r]
         if weighted:
             w = scale[j]
             if q == q0:
-                for c in range(dim):
-                    acc[c] = gr[c] * w
+                for c in range(0, dv, V):
+                    movmul8(acc, c, grad, r, c, w)
+                for c in range(dv, dim):
+                    acc[c] = grad[r, c] * w
             else:
-                for c in range(dim):
-                    acc[c] += gr[c] * w
+                for c in range(0, dv, V):
+                    addmul8(acc, c, grad, r, c, w)
+                for c in range(dv, dim):
+                    acc[c] += grad[r, c] * w
         elif q == q0:
-            for c in range(dim):
-                acc[c] = gr[c]
+            for c in range(0, dv, V):
+                mov8(acc, c, grad, r, c)
+            for c in range(dv, dim):
+                acc[c] = grad[r, c]
         else:
-            for c in range(dim):
-                acc[c] += gr[c]
+            for c in range(0, dv, V):
+                add8(acc, c, grad, r, c)
+            for c in range(dv, dim):
+                acc[c] += grad[r, c]
 
 
 @serial
-def record(dev, host, cap, dev_dirty, host_dirty, g):
-    """The record of global slot ``g`` (a view), marked dirty."""
-    if g < cap:
-        dev_dirty[g] = True
-        return dev[g]
-    host_dirty[g - cap] = True
-    return host[g - cap]
+def next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, end, nbytes):
+    """Prefetch the record (and dirty flag) of distinct row ``u + AHEAD`` (if ``< end``)."""
+    if u + AHEAD < end:
+        g = gslot[u + AHEAD]
+        prefetch_slot(dev, host, cap, g, nbytes)
+        if g < cap:
+            prefetch_item(dev_dirty, g)
+        else:
+            prefetch_item(host_dirty, g - cap)
+
+
+@serial
+def sgd_row(rec, r, acc, dim, nlr):
+    dv = dim - dim % V
+    for c in range(0, dv, V):
+        axpy8(rec, r, c, acc, c, nlr)
+    for c in range(dv, dim):
+        rec[r, c] += nlr * acc[c]
+
+
+@serial
+def uniform_dim(t, dims):
+    """The dim of every table of the batch when they share one, else 0."""
+    d = dims[t[0]] if t.size else 0
+    for i in range(dims.size):
+        if dims[i] != d:
+            return 0
+    return d
+
+
+@serial
+def sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad, scale,
+             nlr, nbytes, wdim):
+    """Distinct rows ``lo:hi`` of :func:`sgd`; ``wdim``: every row's dim (a constant in the
+    specialised callers), or 0 (each row's table's)."""
+    acc = scratch(grad.shape[1] if wdim == 0 else wdim)
+    for u in range(lo, hi):
+        next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, hi, nbytes)
+        dim = wdim if wdim > 0 else dims[t[u]]
+        row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
+        g = gslot[u]
+        if g < cap:
+            dev_dirty[g] = True
+            sgd_row(dev, g, acc, dim, nlr)
+        else:
+            host_dirty[g - cap] = True
+            sgd_row(host, g - cap, acc, dim, nlr)
 
 
 @parallel
@@ -125,14 +250,34 @@ def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, cou
         coef, lr):
     """SGD in place: ``w -= lr * g`` (see the module docstring for the arguments)."""
     nlr = np.float32(-lr)
+    nbytes = dev.shape[1] * 4
+    wd = uniform_dim(t, dims)
     for task in prange(bounds.size - 1):
-        acc = np.empty(grad.shape[1], dtype=np.float32)
-        for u in range(bounds[task], bounds[task + 1]):
-            dim = dims[t[u]]
-            row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
-            rec = record(dev, host, cap, dev_dirty, host_dirty, gslot[u])
-            for c in range(dim):
-                rec[c] += nlr * acc[c]
+        lo, hi = bounds[task], bounds[task + 1]
+        if wd == W16:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W16)
+        elif wd == W32:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W32)
+        elif wd == W64:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W64)
+        elif wd == W128:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, W128)
+        else:
+            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+                     scale, nlr, nbytes, 0)
+
+
+@serial
+def adagrad_row(rec, r, acc, dim, nlr, e):
+    for c in range(dim):
+        gc = acc[c]
+        a = rec[r, dim + c] + gc * gc
+        rec[r, dim + c] = a
+        rec[r, c] += nlr * (gc / (np.sqrt(a) + e))
 
 
 @parallel
@@ -141,17 +286,32 @@ def adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts,
     """Adagrad in place: ``acc += g*g; w -= lr * g / (sqrt(acc) + eps)`` element-wise,
     ``acc`` at ``rec[dim:2*dim]``."""
     nlr, e = np.float32(-lr), np.float32(eps)
+    nbytes = dev.shape[1] * 4
     for task in prange(bounds.size - 1):
-        acc = np.empty(grad.shape[1], dtype=np.float32)
+        acc = scratch(grad.shape[1])
         for u in range(bounds[task], bounds[task + 1]):
+            next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
             dim = dims[t[u]]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
-            rec = record(dev, host, cap, dev_dirty, host_dirty, gslot[u])
-            for c in range(dim):
-                gc = acc[c]
-                a = rec[dim + c] + gc * gc
-                rec[dim + c] = a
-                rec[c] += nlr * (gc / (np.sqrt(a) + e))
+            g = gslot[u]
+            if g < cap:
+                dev_dirty[g] = True
+                adagrad_row(dev, g, acc, dim, nlr, e)
+            else:
+                host_dirty[g - cap] = True
+                adagrad_row(host, g - cap, acc, dim, nlr, e)
+
+
+@serial
+def rowwise_adagrad_row(rec, r, acc, dim, nlr, e):
+    sq = np.float32(0.0)
+    for c in range(dim):
+        sq += acc[c] * acc[c]
+    a = rec[r, dim] + sq / np.float32(dim)
+    rec[r, dim] = a
+    den = np.sqrt(a) + e
+    for c in range(dim):
+        rec[r, c] += nlr * (acc[c] / den)
 
 
 @parallel
@@ -160,20 +320,33 @@ def rowwise_adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm,
     """Row-wise Adagrad in place: ``acc += mean(g*g); w -= lr * g / (sqrt(acc) + eps)``,
     ``acc`` at ``rec[dim]``."""
     nlr, e = np.float32(-lr), np.float32(eps)
+    nbytes = dev.shape[1] * 4
     for task in prange(bounds.size - 1):
-        acc = np.empty(grad.shape[1], dtype=np.float32)
+        acc = scratch(grad.shape[1])
         for u in range(bounds[task], bounds[task + 1]):
+            next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
             dim = dims[t[u]]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
-            rec = record(dev, host, cap, dev_dirty, host_dirty, gslot[u])
-            sq = np.float32(0.0)
-            for c in range(dim):
-                sq += acc[c] * acc[c]
-            a = rec[dim] + sq / np.float32(dim)
-            rec[dim] = a
-            den = np.sqrt(a) + e
-            for c in range(dim):
-                rec[c] += nlr * (acc[c] / den)
+            g = gslot[u]
+            if g < cap:
+                dev_dirty[g] = True
+                rowwise_adagrad_row(dev, g, acc, dim, nlr, e)
+            else:
+                host_dirty[g - cap] = True
+                rowwise_adagrad_row(host, g - cap, acc, dim, nlr, e)
+
+
+@serial
+def adam_row(rec, r, acc, dim, ns, o1, o2, e):
+    for c in range(dim):
+        gc = acc[c]
+        m = rec[r, dim + c]
+        m += (gc - m) * o1
+        rec[r, dim + c] = m
+        v = rec[r, 2 * dim + c]
+        v += (gc * gc - v) * o2
+        rec[r, 2 * dim + c] = v
+        rec[r, c] += ns * (m / (np.sqrt(v) + e))
 
 
 @parallel
@@ -184,23 +357,22 @@ def adam(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, co
     ``rec[dim:2*dim]``, ``v`` at ``rec[2*dim:3*dim]``; ``coef``: each table's
     ``lr * sqrt(1 - b2**step) / (1 - b1**step)``."""
     o1, o2, e = np.float32(1.0 - beta1), np.float32(1.0 - beta2), np.float32(eps)
+    nbytes = dev.shape[1] * 4
     for task in prange(bounds.size - 1):
-        acc = np.empty(grad.shape[1], dtype=np.float32)
+        acc = scratch(grad.shape[1])
         for u in range(bounds[task], bounds[task + 1]):
+            next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
             ti = t[u]
             dim = dims[ti]
             ns = -coef[ti]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
-            rec = record(dev, host, cap, dev_dirty, host_dirty, gslot[u])
-            for c in range(dim):
-                gc = acc[c]
-                m = rec[dim + c]
-                m += (gc - m) * o1
-                rec[dim + c] = m
-                v = rec[2 * dim + c]
-                v += (gc * gc - v) * o2
-                rec[2 * dim + c] = v
-                rec[c] += ns * (m / (np.sqrt(v) + e))
+            g = gslot[u]
+            if g < cap:
+                dev_dirty[g] = True
+                adam_row(dev, g, acc, dim, ns, o1, o2, e)
+            else:
+                host_dirty[g - cap] = True
+                adam_row(host, g - cap, acc, dim, ns, o1, o2, e)
 
 
 @parallel

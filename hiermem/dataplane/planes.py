@@ -156,7 +156,9 @@ def _tasks(starts: np.ndarray, n: int, threads: int) -> np.ndarray:
     """Bounds of the backward's parallel tasks over distinct rows (``starts``: where each
     row's ids start in the sorted order, of ``n``): 8 per thread, of about equal numbers of
     ids, so a thread with a hot row (thousands of ids) gets fewer rows besides."""
-    tasks = 1 if threads == 1 else min(max(1, starts.size), 8 * threads)
+    if threads == 1:
+        return np.array([0, starts.size], dtype=np.int64)
+    tasks = min(max(1, starts.size), 8 * threads)
     return np.searchsorted(starts, np.linspace(0, n, tasks + 1).astype(np.int64)).astype(np.int64)
 
 

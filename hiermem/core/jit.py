@@ -83,6 +83,16 @@ def leaf(fn):
     return numba.njit(cache=True, nogil=True, _nrt=False)(fn)
 
 
+def inline(fn):
+    """A large function with few call sites, inlined into each at numba's IR level, so
+    that the arrays it works on are never passed across a call: a compiled call costs
+    about 8 ns per array argument (each array is seven scalars), which made the plan's
+    ``decide_``/``commit_`` (45 arrays each) cost more than a per-access miss's work.
+    Its arguments are the state tuples (a call of more than 30 arguments compiles to a
+    ``*args`` call, which numba does not inline); it unpacks them at the top."""
+    return numba.njit(cache=True, nogil=True, inline="always")(fn)
+
+
 def helper(fn):
     """A helper the kernels call (compiled with them; LLVM inlines the small ones).
 

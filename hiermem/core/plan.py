@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .index import find, insert1, remove1
-from .jit import helper, kernel, leaf, tiny
+from .index import find, find1, insert1, remove1
+from .jit import inline, kernel, leaf, tiny
 from .policy import LFU_DECAY, touch
 from .victims import drop, set_key, victims_
 
@@ -65,25 +65,29 @@ def _mark_held(pins, mark, slots, base, n, flag):
     return held
 
 
-@helper
-def decide_(meta, offsets, slot_of, rev, tab,
-            dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-            bt, bk, ws, res):
-    """:func:`decide` over arrays."""
+@inline
+def decide_(ix, dev, dpol, host, hpol, bt, bk, ws, res):
+    """:func:`decide`, inlined into its callers (the kernel and the compiled replay)."""
+    meta, offsets, slot_of, rev, tab = ix
+    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
+    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
+    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
+    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
     U = bk.size
     D = dtm[CAP]
     Hb = htm[BASE]
     g, mi = ws[G], ws[MI]
-    find(meta, offsets, slot_of, tab, bt, bk, g)
+    if U == 1:  # a per-access trace's miss: no call
+        g[0] = find1(meta, offsets, slot_of, tab, bt[0], bk[0])
+    else:
+        find(meta, offsets, slot_of, tab, bt, bk, g)
     m = np.int64(0)
     for i in range(U):
         if g[i] < 0 or g[i] >= D:
             mi[m] = i
             m += 1
-    res[:] = 0
+    for j in range(NRES):
+        res[j] = 0
     res[M] = m
     if m == 0:
         return
@@ -179,15 +183,7 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
     ``res[STATUS]`` is ``CAPACITY`` when the tiers cannot hold the batch beside their
     pinned rows (nothing decided).  Changes no index, tier or key.
     """
-    meta, offsets, slot_of, rev, tab = ix
-    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
-    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
-    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
-    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    decide_(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, bt, bk, ws, res)
+    decide_(ix, dev, dpol, host, hpol, bt, bk, ws, res)
 
 
 @tiny
@@ -344,14 +340,14 @@ def _account(bt, counts, g, mi, m, D, ws, res, counters):
         counters[t, _DISK, _HITS if found[j] else _MISSES] += 1
 
 
-@leaf
-def commit_(meta, offsets, slot_of, rev, tab,
-            dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-            bt, bk, clock, counts, account, ws, res, counters):
-    """:func:`commit` over arrays."""
+@inline
+def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
+    """:func:`commit`, inlined into its callers (the kernel and the compiled replay)."""
+    meta, offsets, slot_of, rev, tab = ix
+    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
+    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
+    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
+    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
     U = bk.size
     D = dtm[CAP]
     Hb = htm[BASE]
@@ -461,16 +457,7 @@ def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, c
     never uses them).  ``clock, counts``: int64 ``[U]``; ``counters``: int64
     ``[tables, 3, 5]``.
     """
-    meta, offsets, slot_of, rev, tab = ix
-    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
-    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
-    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
-    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    commit_(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-            bt, bk, clock, counts, account, ws, res, counters)
+    commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters)
 
 
 @kernel

@@ -82,10 +82,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
                 counts[u - 1] += 1
                 clock[u - 1] = c0 + order[j]  # stable: the last of a run is the last occurrence
         t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
-        decide_(meta, offsets_, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-                dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-                hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-                hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, t_, k_, ws, res)
+        decide_(ix, dev, dpol, host, hpol, t_, k_, ws, res)
         if res[STATUS] == CAPACITY:
             return -1 - i
         disk, found = ws[DISK], ws[FOUND]
@@ -103,11 +100,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
             else:
                 written[row_base[dkt[s]] + dkk[s]] = 1
         io[_H2DISK] += res[N_WB] * row_bytes
-        commit_(meta, offsets_, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-                dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-                hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-                hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-                t_, k_, cl_, cn_, account, ws, res, counters)
+        commit_(ix, dev, dpol, host, hpol, t_, k_, cl_, cn_, account, ws, res, counters)
         io[_D2H] += res[N_DN] * row_bytes
         io[_H2D] += (res[N_UP] + res[NB]) * row_bytes
         if updates:

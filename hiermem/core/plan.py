@@ -209,17 +209,22 @@ def _touch_many(key, score, uses, params, rm, hk, hs, slots, pos, n, clock, coun
         touch(key, score, uses, params, rm, hk, hs, slots[j], clock[i], counts[i], insert)
 
 
+@tiny
+def _evict1(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, s, counters, tcode):
+    """Drop the row in slot ``s`` (to disk) from the tier and the index."""
+    t = kt[s]
+    counters[t, tcode, _EVICTIONS] += 1
+    if dirty[s]:
+        counters[t, tcode, _WRITEBACKS] += 1
+    remove1(meta, slot_of, rev, tab, tm[BASE] + s)
+    _free(kt, dirty, pins, free, tm, s)
+
+
 @leaf
 def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, counters, tcode):
-    """Drop the rows in ``slots[:n]`` (to disk) from the tier and the index."""
+    """:func:`_evict1` the rows in ``slots[:n]``."""
     for j in range(n):
-        s = slots[j]
-        t = kt[s]
-        counters[t, tcode, _EVICTIONS] += 1
-        if dirty[s]:
-            counters[t, tcode, _WRITEBACKS] += 1
-        remove1(meta, slot_of, rev, tab, tm[BASE] + s)
-        _free(kt, dirty, pins, free, tm, s)
+        _evict1(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots[j], counters, tcode)
 
 
 @leaf
@@ -297,6 +302,19 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
     tm[NPINNED] += pinned
 
 
+@tiny
+def _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, uses, params, rm, hk, hs, d, t, k, c,
+          cnt, g):
+    """Row ``(t, k)``, used ``cnt`` times, the last at ``c``, enters free slot ``d``
+    (global slot ``g``)."""
+    kt[d] = t
+    kk[d] = k
+    dirty[d] = False
+    pins[d] = 0
+    insert1(meta, offsets, slot_of, rev, tab, t, k, g)
+    touch(key, score, uses, params, rm, hk, hs, d, c, cnt, True)
+
+
 @leaf
 def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, params, rm, hk, hs,
               pos, n, bt, bk, clock, counts, slot, new_dst, jd):
@@ -307,17 +325,13 @@ def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, k
     for j in range(n):
         d = free[base + j]
         i = pos[j]
-        kt[d] = bt[i]
-        kk[d] = bk[i]
-        dirty[d] = False
-        pins[d] = 0
-        insert1(meta, offsets, slot_of, rev, tab, bt[i], bk[i], tm[BASE] + d)
-        touch(key, score, uses, params, rm, hk, hs, d, clock[i], counts[i], True)
+        _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, uses, params, rm, hk, hs, d, bt[i],
+              bk[i], clock[i], counts[i], tm[BASE] + d)
         slot[i] = d
         new_dst[jd + j] = tm[BASE] + d
 
 
-@leaf
+@inline
 def _account(bt, counts, g, mi, m, D, ws, res, counters):
     """Lookups, hits and misses per table and tier of an accounted placement."""
     j = np.int64(0)
@@ -376,7 +390,9 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
     # (each helper call passes every array once, about a microsecond: skipped when idle)
     if res[N_VH]:
         _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, np.int64(_HOST))
-    if n_skip:
+    if n_skip == 1:  # a per-access trace's eviction: no call
+        _evict1(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd[0], counters, np.int64(_DEV))
+    elif n_skip:
         _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, np.int64(_DEV))
     # rows changing tier keep their index entries; saved before any slot is reused
     up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
@@ -435,7 +451,15 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
     new_dst = ws[NEW_DST]
     if account and ja:
         _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst, pa, ja, clock, counts, False)
-    if jb:
+    if jb == 1:  # a per-access trace's miss: no call
+        i = pb[0]
+        dtm[NFREE] -= 1
+        d = dfree[dtm[NFREE]]
+        _new1(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dkey, dscore, duses, dparams, drm, dhk, dhs,
+              d, bt[i], bk[i], clock[i], counts[i], dtm[BASE] + d)
+        slot[i] = d
+        new_dst[0] = dtm[BASE] + d
+    elif jb:
         _new_many(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams,
                   drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, np.int64(0))
     if account and jc:

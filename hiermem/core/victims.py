@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import helper, kernel, leaf, tiny
+from .jit import helper, inline, kernel, leaf, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
@@ -252,7 +252,7 @@ def _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out):
     return found
 
 
-@helper
+@inline
 def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable, occupancy, out):
     """``out[:n]`` = the ``n`` evictable slots with the smallest ``(key, slot)``, in that
     order; ``evictable`` of ``occupancy`` occupied slots are.  Returns the number found

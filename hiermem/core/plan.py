@@ -17,9 +17,10 @@ Arrays (all numpy, CPU): ``ix`` the index tuple (:mod:`hiermem.core.index`); a t
 ``(keys_t, keys_k, dirty, pins, free, tmeta, mark)`` with ``tmeta = [nfree, npinned,
 capacity, base]``; a policy is the tuple of :mod:`hiermem.core.victims`.  ``ws`` (int64
 ``[NROWS, >= U]``) is the workspace and the plan (rows named below), ``res`` (int64
-``[NRES]``) its counts.  Row data never enters here.  ``decide``/``commit`` unpack the
-tuples once and call ``decide_``/``commit_``, which take every array by itself (so the
-per-access replay can call them per access at no tuple cost, see :mod:`hiermem.core.jit`).
+``[NRES]``) its counts.  Row data never enters here.  ``decide_``/``commit_`` are the
+rule, once: inlined at numba's IR level (:func:`hiermem.core.jit.inline`) into the
+``decide``/``commit`` kernels (the store's and the simulator's batch placement) and into
+the compiled replay loop (:mod:`hiermem.core.replay`), so no call passes their ~45 arrays.
 """
 
 from __future__ import annotations

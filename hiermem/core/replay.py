@@ -2,9 +2,11 @@
 
 The simulator's plain replay (no prefetch): for each batch, the same dedup the store
 does (a stable sort: distinct rows in ``(table, id)`` order, counts, last positions),
-then :func:`~hiermem.core.plan.decide` and :func:`~hiermem.core.plan.commit`, the
-store's own kernels, with "written to LMDB" a bit per row instead of I/O.  No Python runs
-per batch or per access, so a trace of single-id batches replays at memory speed.
+then :func:`~hiermem.core.plan.decide_` and :func:`~hiermem.core.plan.commit_`, the
+store's own placement (inlined), with "written to LMDB" a bit per row instead of I/O.
+No Python runs per batch or per access, and the loop between two sorts is compiled
+without reference counting (:func:`~hiermem.core.jit.leaf`), so a trace of single-id
+batches replays at memory speed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find1
-from .jit import kernel
+from .jit import kernel, leaf
 from .policy import touch
 from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_,
                    decide_)
@@ -21,33 +23,28 @@ from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, S
 _H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
 
 
-@kernel
-def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io,
-           row_bytes, ws, res, clock0):
-    """Replay batches ``rows[offsets[i]:offsets[i + 1]]`` (dense row numbers, int64) in
-    order.  ``table_of_row``/``row_base``: each dense row's table and the first dense
-    row of each table (index keys are ``(table, row - row_base[table])``); ``written``
-    (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
-    ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied)."""
+@leaf
+def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io, row_bytes,
+         ws, res, scratch, i, c0):
+    """Replay batch ``i`` (``scratch[4]``: its sort order, when it has more than one id),
+    then the batches after it up to the next one of more than one id.  Returns the next
+    batch and the clock, or ``(-1 - i, c0)`` when batch ``i`` does not fit the tiers.
+    A :func:`~hiermem.core.jit.leaf`: no reference counting in the per-access loop."""
     meta, offsets_, slot_of, rev, tab = ix
     dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
     dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
     hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
     hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    nmax = np.int64(0)
-    for i in range(offsets.size - 1):
-        nmax = max(nmax, offsets[i + 1] - offsets[i])
-    bt = np.empty(nmax, dtype=np.int64)
-    bk = np.empty(nmax, dtype=np.int64)
-    clock = np.empty(nmax, dtype=np.int64)
-    counts = np.empty(nmax, dtype=np.int64)
+    bt, bk, clock, counts, order = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4]
     D = dtm[2]
-    account = np.bool_(True)  # a variable, not the literal: commit_ compiled once for both callers
-    c0 = clock0
-    for i in range(offsets.size - 1):
+    account = True
+    nb = offsets.size - 1
+    first = True
+    while i < nb:
         a, b = offsets[i], offsets[i + 1]
         n = b - a
         if n == 0:
+            i += 1
             continue
         if n == 1:
             u = 1
@@ -64,13 +61,16 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
                     io[_UPDATES] += 1
                     io[_UPDATED] += 1
                 c0 += 1
+                i += 1
+                first = False
                 continue
             bt[0] = t
             bk[0] = k
             clock[0] = c0
             counts[0] = 1
         else:
-            order = np.argsort(rows[a:b], kind="mergesort")
+            if not first:  # its order is sorted by the caller
+                return i, c0
             u = np.int64(0)
             for j in range(n):
                 r = rows[a + order[j]]
@@ -81,10 +81,11 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
                     u += 1
                 counts[u - 1] += 1
                 clock[u - 1] = c0 + order[j]  # stable: the last of a run is the last occurrence
+        first = False
         t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
         decide_(ix, dev, dpol, host, hpol, t_, k_, ws, res)
         if res[STATUS] == CAPACITY:
-            return -1 - i
+            return -1 - i, c0
         disk, found = ws[DISK], ws[FOUND]
         for j in range(res[N_DISK]):
             p = disk[j]
@@ -113,4 +114,37 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
             io[_UPDATES] += 1
             io[_UPDATED] += u
         c0 += n
+        i += 1
+    return i, c0
+
+
+@kernel
+def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io,
+           row_bytes, ws, res, clock0):
+    """Replay batches ``rows[offsets[i]:offsets[i + 1]]`` (dense row numbers, int64) in
+    order.  ``table_of_row``/``row_base``: each dense row's table and the first dense
+    row of each table (index keys are ``(table, row - row_base[table])``); ``written``
+    (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
+    ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied).
+
+    This kernel sorts each batch of more than one id (the sort allocates); :func:`_run`,
+    compiled without reference counting, replays the batches between sorts."""
+    nmax = np.int64(1)
+    for i in range(offsets.size - 1):
+        nmax = max(nmax, offsets[i + 1] - offsets[i])
+    scratch = np.empty((5, nmax), dtype=np.int64)  # bt, bk, clock, counts, a batch's sort order
+    order = scratch[4]
+    i = np.int64(0)
+    c0 = np.int64(clock0)
+    nb = offsets.size - 1
+    while i < nb:
+        a, b = offsets[i], offsets[i + 1]
+        if b - a > 1:
+            o = np.argsort(rows[a:b], kind="mergesort")
+            for j in range(b - a):
+                order[j] = o[j]
+        i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters,
+                     io, row_bytes, ws, res, scratch, i, c0)
+        if i < 0:
+            return i
     return c0

@@ -24,8 +24,9 @@ length, heap length, builds, scans, and 1 to always scan (a reference for tests)
 from __future__ import annotations
 
 import numpy as np
+from numba.core import types
 
-from .jit import helper, inline, kernel, leaf, tiny
+from .jit import DISABLED, helper, inline, kernel, leaf, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
@@ -308,3 +309,13 @@ def check(pol, keys_t):
         if keys_t[s] >= 0 and key[s] <= rm[_TAU] and have[s] == 0:
             return False
     return True
+
+
+if not DISABLED:
+    # Compiled (with reference counting) at import, before any caller: the compiled
+    # replay loop (a leaf, :func:`hiermem.core.jit.leaf`) reaches them through victims_,
+    # and a leaf may call a function that allocates only through an existing overload.
+    _I64 = types.Array(types.int64, 1, "C")
+    build_.compile((_I64, _I64, _I64, _I64, _I64, types.int64))
+    scan_.compile((_I64, _I64, _I64, types.Array(types.int32, 1, "C"), types.Array(types.uint8, 1, "C"),
+                   types.int64, _I64))

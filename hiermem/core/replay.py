@@ -25,17 +25,18 @@ _H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
 
 @leaf
 def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io, row_bytes,
-         ws, res, scratch, i, c0):
-    """Replay batch ``i`` (``scratch[4]``: its sort order, when it has more than one id),
-    then the batches after it up to the next one of more than one id.  Returns the next
-    batch and the clock, or ``(-1 - i, c0)`` when batch ``i`` does not fit the tiers.
-    A :func:`~hiermem.core.jit.leaf`: no reference counting in the per-access loop."""
+         ws, res, scratch, u0, i, c0):
+    """Replay batch ``i`` (when it has more than one id, its ``u0`` distinct rows are in
+    ``scratch[:4, :u0]``: tables, ids, last clocks, counts, from :func:`_dedup`), then the
+    batches after it up to the next one of more than one id.  Returns the next batch and
+    the clock, or ``(-1 - i, c0)`` when batch ``i`` does not fit the tiers.  A
+    :func:`~hiermem.core.jit.leaf`: no reference counting in the per-access loop."""
     meta, offsets_, slot_of, rev, tab = ix
     dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
     dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
     hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
     hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    bt, bk, clock, counts, order = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4]
+    bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
     D = dtm[2]
     account = True
     nb = offsets.size - 1
@@ -69,18 +70,9 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
             clock[0] = c0
             counts[0] = 1
         else:
-            if not first:  # its order is sorted by the caller
+            if not first:  # deduplicated by the caller
                 return i, c0
-            u = np.int64(0)
-            for j in range(n):
-                r = rows[a + order[j]]
-                if u == 0 or r != rows[a + order[j - 1]]:
-                    bt[u] = table_of_row[r]
-                    bk[u] = r - row_base[bt[u]]
-                    counts[u] = 0
-                    u += 1
-                counts[u - 1] += 1
-                clock[u - 1] = c0 + order[j]  # stable: the last of a run is the last occurrence
+            u = u0
         first = False
         t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
         decide_(ix, dev, dpol, host, hpol, t_, k_, ws, res)
@@ -119,6 +111,36 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
 
 
 @kernel
+def _dedup(rows, a, b, table_of_row, row_base, stamp, pos, i, c0, scratch):
+    """The distinct rows of batch ``i`` (``rows[a:b]``) in ascending dense row order, i.e.
+    ``(table, id)`` order, as the store's stable sort gives them: ``scratch[0..3, :u]`` =
+    table, id, clock of the last occurrence, count; returns ``u``.  ``stamp``/``pos``
+    (int64 per dense row): the last batch that saw each row, and its place in this one.
+    O(ids) plus a sort of the distinct rows (a stable argsort of all ids took 7x longer)."""
+    bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
+    u = np.int64(0)
+    for j in range(a, b):
+        r = rows[j]
+        if stamp[r] != i:
+            stamp[r] = i
+            bk[u] = r
+            u += 1
+    srt = np.sort(bk[:u])
+    for p in range(u):
+        r = srt[p]
+        pos[r] = p
+        t = table_of_row[r]
+        bt[p] = t
+        bk[p] = r - row_base[t]
+        counts[p] = 0
+    for j in range(a, b):
+        p = pos[rows[j]]
+        counts[p] += 1
+        clock[p] = c0 + (j - a)  # the last occurrence's
+    return u
+
+
+@kernel
 def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io,
            row_bytes, ws, res, clock0):
     """Replay batches ``rows[offsets[i]:offsets[i + 1]]`` (dense row numbers, int64) in
@@ -127,24 +149,26 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
     (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
     ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied).
 
-    This kernel sorts each batch of more than one id (the sort allocates); :func:`_run`,
-    compiled without reference counting, replays the batches between sorts."""
+    This kernel deduplicates each batch of more than one id (:func:`_dedup`, which
+    allocates); :func:`_run`, compiled without reference counting, replays the batches
+    between two of them."""
     nmax = np.int64(1)
     for i in range(offsets.size - 1):
         nmax = max(nmax, offsets[i + 1] - offsets[i])
-    scratch = np.empty((5, nmax), dtype=np.int64)  # bt, bk, clock, counts, a batch's sort order
-    order = scratch[4]
+    scratch = np.empty((4, nmax), dtype=np.int64)  # a batch's distinct rows: table, id, clock, count
+    nr = table_of_row.size if nmax > 1 else 1
+    stamp = np.full(nr, -1, dtype=np.int64)
+    pos = np.empty(nr, dtype=np.int64)
     i = np.int64(0)
     c0 = np.int64(clock0)
     nb = offsets.size - 1
     while i < nb:
         a, b = offsets[i], offsets[i + 1]
+        u0 = np.int64(0)
         if b - a > 1:
-            o = np.argsort(rows[a:b], kind="mergesort")
-            for j in range(b - a):
-                order[j] = o[j]
+            u0 = _dedup(rows, a, b, table_of_row, row_base, stamp, pos, i, c0, scratch)
         i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters,
-                     io, row_bytes, ws, res, scratch, i, c0)
+                     io, row_bytes, ws, res, scratch, u0, i, c0)
         if i < 0:
             return i
     return c0

@@ -7,7 +7,8 @@ the plain numpy / torch work on the same ids and rows that no placement can avoi
 
 * ``probe``: a batch of 64k Zipf(1.05) ids, all resident (index of 1M slots), through the
   index kernel: a bounded 8M-row table (direct map) and an unbounded one (hashed 64-bit
-  ids).  Floor: gathering one int64 per id from an array of 8M entries at the same ids.
+  ids).  Floor: gathering one int64 per id from an array of 8M entries at the same ids,
+  timed alternately with the kernel (both see the same cache and load).
 * ``swap``: a batch of 9k distinct rows that all come up from the host tier while as
   many device rows go down (device 100k rows, host 1M, records of 68 floats = 272 bytes,
   LRU and LFU), through the store's own placement (decide, commit, record copies; the

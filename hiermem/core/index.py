@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba.core import types
 
-from .jit import DISABLED, kernel, tiny
+from .jit import DISABLED, is_warm, kernel, tiny
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -98,7 +98,7 @@ def rehash(meta, tab, rev):
         _put_bucket(meta, tab, rev, keep[j, 0], keep[j, 1], keep[j, 2])
 
 
-if not DISABLED:  # before any leaf reaches it through insert1 (see hiermem.core.victims)
+if not DISABLED and not is_warm():  # before any leaf reaches it through insert1 (see hiermem.core.victims)
     rehash.compile((types.Array(types.int64, 1, "C"),) * 3)
 
 

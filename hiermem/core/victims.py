@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba.core import types
 
-from .jit import DISABLED, helper, inline, kernel, leaf, tiny
+from .jit import DISABLED, helper, inline, is_warm, kernel, leaf, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
@@ -351,10 +351,11 @@ def check(pol, keys_t):
     return True
 
 
-if not DISABLED:
+if not DISABLED and not is_warm():
     # Compiled (with reference counting) at import, before any caller: the compiled
     # replay loop (a leaf, :func:`hiermem.core.jit.leaf`) reaches them through victims_,
     # and a leaf may call a function that allocates only through an existing overload.
+    # With a warm cache the leaves load compiled, and these load lazily (0.5 s of import).
     _I64 = types.Array(types.int64, 1, "C")
     build_.compile((_I64, _I64, _I64, _I64, _I64, types.int64))
     scan_.compile((_I64, _I64, _I64, types.Array(types.int32, 1, "C"), types.Array(types.uint8, 1, "C"),

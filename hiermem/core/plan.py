@@ -470,7 +470,7 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
                   hrm, hhk, hhs, pe, je, bt, bk, clock, counts, slot, new_dst, jb)
 
 
-@kernel
+@leaf
 def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
     """Apply a plan from :func:`decide` (after its I/O: ``ws[FOUND][j]`` tells whether
     disk row ``j`` was read from LMDB).  Fills ``ws[SLOT]`` / ``ws[ONDEV]`` (each row's

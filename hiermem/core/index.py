@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba.core import types
 
-from .jit import kernel, tiny
+from .jit import DISABLED, is_warm, kernel, tiny
 
 EMPTY = -1
 TOMBSTONE = -2
@@ -95,6 +96,10 @@ def rehash(meta, tab, rev):
     meta[_TOMB] = 0
     for j in range(live):
         _put_bucket(meta, tab, rev, keep[j, 0], keep[j, 1], keep[j, 2])
+
+
+if not DISABLED and not is_warm():  # before any leaf reaches it through insert1 (see hiermem.core.victims)
+    rehash.compile((types.Array(types.int64, 1, "C"),) * 3)
 
 
 @tiny

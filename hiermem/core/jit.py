@@ -78,9 +78,25 @@ def leaf(fn):
     without numba's reference counting (``_nrt=False``).  With it, a call increments and
     decrements the count of every array it passes; without it the per-access replay ran
     1.3x faster (1.38 -> 1.82M accesses/s LRU, same counters; ``commit_`` and its helpers
-    as leaves).  numba compiles a callee under its caller's flags, so a leaf must never
-    call a function that allocates (``np.empty``, ``np.argsort``...): it fails to compile."""
+    as leaves), and the whole replay loop as a leaf (:func:`hiermem.core.replay._run`,
+    ``decide_``/``commit_`` inlined) 1.5-2.5x again: numba's atomic reference counts of
+    the arrays unpacked and sliced per miss took half the loop's time (``perf``).  numba
+    compiles a callee under its caller's flags, so a leaf must never call a function that
+    allocates (``np.empty``, ``np.argsort``...) unless that function already has a
+    compiled overload for those argument types, which the leaf then calls: the few a
+    leaf can reach (the victim search's rebuild and scan, the hash index's rehash) are
+    compiled at import, with explicit signatures."""
     return numba.njit(cache=True, nogil=True, _nrt=False)(fn)
+
+
+def inline(fn):
+    """A large function with few call sites, inlined into each at numba's IR level, so
+    that the arrays it works on are never passed across a call: a compiled call costs
+    about 8 ns per array argument (each array is seven scalars), which made the plan's
+    ``decide_``/``commit_`` (45 arrays each) cost more than a per-access miss's work.
+    Its arguments are the state tuples (a call of more than 30 arguments compiles to a
+    ``*args`` call, which numba does not inline); it unpacks them at the top."""
+    return numba.njit(cache=True, nogil=True, inline="always")(fn)
 
 
 def helper(fn):

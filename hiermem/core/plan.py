@@ -17,17 +17,18 @@ Arrays (all numpy, CPU): ``ix`` the index tuple (:mod:`hiermem.core.index`); a t
 ``(keys_t, keys_k, dirty, pins, free, tmeta, mark)`` with ``tmeta = [nfree, npinned,
 capacity, base]``; a policy is the tuple of :mod:`hiermem.core.victims`.  ``ws`` (int64
 ``[NROWS, >= U]``) is the workspace and the plan (rows named below), ``res`` (int64
-``[NRES]``) its counts.  Row data never enters here.  ``decide``/``commit`` unpack the
-tuples once and call ``decide_``/``commit_``, which take every array by itself (so the
-per-access replay can call them per access at no tuple cost, see :mod:`hiermem.core.jit`).
+``[NRES]``) its counts.  Row data never enters here.  ``decide_``/``commit_`` are the
+rule, once: inlined at numba's IR level (:func:`hiermem.core.jit.inline`) into the
+``decide``/``commit`` kernels (the store's and the simulator's batch placement) and into
+the compiled replay loop (:mod:`hiermem.core.replay`), so no call passes their ~45 arrays.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .index import find, insert1, remove1
-from .jit import helper, kernel, leaf, tiny
+from .index import find, find1, insert1, remove1
+from .jit import inline, kernel, leaf, tiny
 from .policy import LFU_DECAY, touch
 from .victims import drop, set_key, victims_
 
@@ -65,25 +66,29 @@ def _mark_held(pins, mark, slots, base, n, flag):
     return held
 
 
-@helper
-def decide_(meta, offsets, slot_of, rev, tab,
-            dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-            bt, bk, ws, res):
-    """:func:`decide` over arrays."""
+@inline
+def decide_(ix, dev, dpol, host, hpol, bt, bk, ws, res):
+    """:func:`decide`, inlined into its callers (the kernel and the compiled replay)."""
+    meta, offsets, slot_of, rev, tab = ix
+    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
+    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
+    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
+    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
     U = bk.size
     D = dtm[CAP]
     Hb = htm[BASE]
     g, mi = ws[G], ws[MI]
-    find(meta, offsets, slot_of, tab, bt, bk, g)
+    if U == 1:  # a per-access trace's miss: no call
+        g[0] = find1(meta, offsets, slot_of, tab, bt[0], bk[0])
+    else:
+        find(meta, offsets, slot_of, tab, bt, bk, g)
     m = np.int64(0)
     for i in range(U):
         if g[i] < 0 or g[i] >= D:
             mi[m] = i
             m += 1
-    res[:] = 0
+    for j in range(NRES):
+        res[j] = 0
     res[M] = m
     if m == 0:
         return
@@ -179,15 +184,7 @@ def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
     ``res[STATUS]`` is ``CAPACITY`` when the tiers cannot hold the batch beside their
     pinned rows (nothing decided).  Changes no index, tier or key.
     """
-    meta, offsets, slot_of, rev, tab = ix
-    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
-    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
-    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
-    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    decide_(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, bt, bk, ws, res)
+    decide_(ix, dev, dpol, host, hpol, bt, bk, ws, res)
 
 
 @tiny
@@ -213,17 +210,22 @@ def _touch_many(key, score, uses, params, rm, hk, hs, slots, pos, n, clock, coun
         touch(key, score, uses, params, rm, hk, hs, slots[j], clock[i], counts[i], insert)
 
 
+@tiny
+def _evict1(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, s, counters, tcode):
+    """Drop the row in slot ``s`` (to disk) from the tier and the index."""
+    t = kt[s]
+    counters[t, tcode, _EVICTIONS] += 1
+    if dirty[s]:
+        counters[t, tcode, _WRITEBACKS] += 1
+    remove1(meta, slot_of, rev, tab, tm[BASE] + s)
+    _free(kt, dirty, pins, free, tm, s)
+
+
 @leaf
 def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, counters, tcode):
-    """Drop the rows in ``slots[:n]`` (to disk) from the tier and the index."""
+    """:func:`_evict1` the rows in ``slots[:n]``."""
     for j in range(n):
-        s = slots[j]
-        t = kt[s]
-        counters[t, tcode, _EVICTIONS] += 1
-        if dirty[s]:
-            counters[t, tcode, _WRITEBACKS] += 1
-        remove1(meta, slot_of, rev, tab, tm[BASE] + s)
-        _free(kt, dirty, pins, free, tm, s)
+        _evict1(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots[j], counters, tcode)
 
 
 @leaf
@@ -301,6 +303,19 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
     tm[NPINNED] += pinned
 
 
+@tiny
+def _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, uses, params, rm, hk, hs, d, t, k, c,
+          cnt, g):
+    """Row ``(t, k)``, used ``cnt`` times, the last at ``c``, enters free slot ``d``
+    (global slot ``g``)."""
+    kt[d] = t
+    kk[d] = k
+    dirty[d] = False
+    pins[d] = 0
+    insert1(meta, offsets, slot_of, rev, tab, t, k, g)
+    touch(key, score, uses, params, rm, hk, hs, d, c, cnt, True)
+
+
 @leaf
 def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, params, rm, hk, hs,
               pos, n, bt, bk, clock, counts, slot, new_dst, jd):
@@ -311,17 +326,13 @@ def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, k
     for j in range(n):
         d = free[base + j]
         i = pos[j]
-        kt[d] = bt[i]
-        kk[d] = bk[i]
-        dirty[d] = False
-        pins[d] = 0
-        insert1(meta, offsets, slot_of, rev, tab, bt[i], bk[i], tm[BASE] + d)
-        touch(key, score, uses, params, rm, hk, hs, d, clock[i], counts[i], True)
+        _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, uses, params, rm, hk, hs, d, bt[i],
+              bk[i], clock[i], counts[i], tm[BASE] + d)
         slot[i] = d
         new_dst[jd + j] = tm[BASE] + d
 
 
-@leaf
+@inline
 def _account(bt, counts, g, mi, m, D, ws, res, counters):
     """Lookups, hits and misses per table and tier of an accounted placement."""
     j = np.int64(0)
@@ -344,14 +355,14 @@ def _account(bt, counts, g, mi, m, D, ws, res, counters):
         counters[t, _DISK, _HITS if found[j] else _MISSES] += 1
 
 
-@leaf
-def commit_(meta, offsets, slot_of, rev, tab,
-            dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-            bt, bk, clock, counts, account, ws, res, counters):
-    """:func:`commit` over arrays."""
+@inline
+def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
+    """:func:`commit`, inlined into its callers (the kernel and the compiled replay)."""
+    meta, offsets, slot_of, rev, tab = ix
+    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
+    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
+    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
+    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
     U = bk.size
     D = dtm[CAP]
     Hb = htm[BASE]
@@ -380,7 +391,9 @@ def commit_(meta, offsets, slot_of, rev, tab,
     # (each helper call passes every array once, about a microsecond: skipped when idle)
     if res[N_VH]:
         _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, np.int64(_HOST))
-    if n_skip:
+    if n_skip == 1:  # a per-access trace's eviction: no call
+        _evict1(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd[0], counters, np.int64(_DEV))
+    elif n_skip:
         _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, np.int64(_DEV))
     # rows changing tier keep their index entries; saved before any slot is reused
     up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
@@ -439,7 +452,15 @@ def commit_(meta, offsets, slot_of, rev, tab,
     new_dst = ws[NEW_DST]
     if account and ja:
         _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst, pa, ja, clock, counts, False)
-    if jb:
+    if jb == 1:  # a per-access trace's miss: no call
+        i = pb[0]
+        dtm[NFREE] -= 1
+        d = dfree[dtm[NFREE]]
+        _new1(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dkey, dscore, duses, dparams, drm, dhk, dhs,
+              d, bt[i], bk[i], clock[i], counts[i], dtm[BASE] + d)
+        slot[i] = d
+        new_dst[0] = dtm[BASE] + d
+    elif jb:
         _new_many(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams,
                   drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, np.int64(0))
     if account and jc:
@@ -449,7 +470,7 @@ def commit_(meta, offsets, slot_of, rev, tab,
                   hrm, hhk, hhs, pe, je, bt, bk, clock, counts, slot, new_dst, jb)
 
 
-@kernel
+@leaf
 def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
     """Apply a plan from :func:`decide` (after its I/O: ``ws[FOUND][j]`` tells whether
     disk row ``j`` was read from LMDB).  Fills ``ws[SLOT]`` / ``ws[ONDEV]`` (each row's
@@ -461,16 +482,7 @@ def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, c
     never uses them).  ``clock, counts``: int64 ``[U]``; ``counters``: int64
     ``[tables, 3, 5]``.
     """
-    meta, offsets, slot_of, rev, tab = ix
-    dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
-    dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
-    hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
-    hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    commit_(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-            dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-            hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-            hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-            bt, bk, clock, counts, account, ws, res, counters)
+    commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters)
 
 
 @kernel

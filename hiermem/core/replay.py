@@ -2,9 +2,11 @@
 
 The simulator's plain replay (no prefetch): for each batch, the same dedup the store
 does (a stable sort: distinct rows in ``(table, id)`` order, counts, last positions),
-then :func:`~hiermem.core.plan.decide` and :func:`~hiermem.core.plan.commit`, the
-store's own kernels, with "written to LMDB" a bit per row instead of I/O.  No Python runs
-per batch or per access, so a trace of single-id batches replays at memory speed.
+then :func:`~hiermem.core.plan.decide_` and :func:`~hiermem.core.plan.commit_`, the
+store's own placement (inlined), with "written to LMDB" a bit per row instead of I/O.
+No Python runs per batch or per access, and the loop between two sorts is compiled
+without reference counting (:func:`~hiermem.core.jit.leaf`), so a trace of single-id
+batches replays at memory speed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find1
-from .jit import kernel
+from .jit import kernel, leaf
 from .policy import touch
 from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_,
                    decide_)
@@ -21,33 +23,29 @@ from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, S
 _H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
 
 
-@kernel
-def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io,
-           row_bytes, ws, res, clock0):
-    """Replay batches ``rows[offsets[i]:offsets[i + 1]]`` (dense row numbers, int64) in
-    order.  ``table_of_row``/``row_base``: each dense row's table and the first dense
-    row of each table (index keys are ``(table, row - row_base[table])``); ``written``
-    (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
-    ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied)."""
+@leaf
+def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io, row_bytes,
+         ws, res, scratch, u0, i, c0):
+    """Replay batch ``i`` (when it has more than one id, its ``u0`` distinct rows are in
+    ``scratch[:4, :u0]``: tables, ids, last clocks, counts, from :func:`_dedup`), then the
+    batches after it up to the next one of more than one id.  Returns the next batch and
+    the clock, or ``(-1 - i, c0)`` when batch ``i`` does not fit the tiers.  A
+    :func:`~hiermem.core.jit.leaf`: no reference counting in the per-access loop."""
     meta, offsets_, slot_of, rev, tab = ix
     dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
     dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
     hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
     hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
-    nmax = np.int64(0)
-    for i in range(offsets.size - 1):
-        nmax = max(nmax, offsets[i + 1] - offsets[i])
-    bt = np.empty(nmax, dtype=np.int64)
-    bk = np.empty(nmax, dtype=np.int64)
-    clock = np.empty(nmax, dtype=np.int64)
-    counts = np.empty(nmax, dtype=np.int64)
+    bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
     D = dtm[2]
-    account = np.bool_(True)  # a variable, not the literal: commit_ compiled once for both callers
-    c0 = clock0
-    for i in range(offsets.size - 1):
+    account = True
+    nb = offsets.size - 1
+    first = True
+    while i < nb:
         a, b = offsets[i], offsets[i + 1]
         n = b - a
         if n == 0:
+            i += 1
             continue
         if n == 1:
             u = 1
@@ -64,30 +62,22 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
                     io[_UPDATES] += 1
                     io[_UPDATED] += 1
                 c0 += 1
+                i += 1
+                first = False
                 continue
             bt[0] = t
             bk[0] = k
             clock[0] = c0
             counts[0] = 1
         else:
-            order = np.argsort(rows[a:b], kind="mergesort")
-            u = np.int64(0)
-            for j in range(n):
-                r = rows[a + order[j]]
-                if u == 0 or r != rows[a + order[j - 1]]:
-                    bt[u] = table_of_row[r]
-                    bk[u] = r - row_base[bt[u]]
-                    counts[u] = 0
-                    u += 1
-                counts[u - 1] += 1
-                clock[u - 1] = c0 + order[j]  # stable: the last of a run is the last occurrence
+            if not first:  # deduplicated by the caller
+                return i, c0
+            u = u0
+        first = False
         t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
-        decide_(meta, offsets_, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-                dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-                hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-                hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, t_, k_, ws, res)
+        decide_(ix, dev, dpol, host, hpol, t_, k_, ws, res)
         if res[STATUS] == CAPACITY:
-            return -1 - i
+            return -1 - i, c0
         disk, found = ws[DISK], ws[FOUND]
         for j in range(res[N_DISK]):
             p = disk[j]
@@ -103,11 +93,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
             else:
                 written[row_base[dkt[s]] + dkk[s]] = 1
         io[_H2DISK] += res[N_WB] * row_bytes
-        commit_(meta, offsets_, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dmark,
-                dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss,
-                hkt, hkk, hdirty, hpins, hfree, htm, hmark,
-                hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss,
-                t_, k_, cl_, cn_, account, ws, res, counters)
+        commit_(ix, dev, dpol, host, hpol, t_, k_, cl_, cn_, account, ws, res, counters)
         io[_D2H] += res[N_DN] * row_bytes
         io[_H2D] += (res[N_UP] + res[NB]) * row_bytes
         if updates:
@@ -120,4 +106,69 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
             io[_UPDATES] += 1
             io[_UPDATED] += u
         c0 += n
+        i += 1
+    return i, c0
+
+
+@kernel
+def _dedup(rows, a, b, table_of_row, row_base, stamp, pos, i, c0, scratch):
+    """The distinct rows of batch ``i`` (``rows[a:b]``) in ascending dense row order, i.e.
+    ``(table, id)`` order, as the store's stable sort gives them: ``scratch[0..3, :u]`` =
+    table, id, clock of the last occurrence, count; returns ``u``.  ``stamp``/``pos``
+    (int64 per dense row): the last batch that saw each row, and its place in this one.
+    O(ids) plus a sort of the distinct rows (a stable argsort of all ids took 7x longer)."""
+    bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
+    u = np.int64(0)
+    for j in range(a, b):
+        r = rows[j]
+        if stamp[r] != i:
+            stamp[r] = i
+            bk[u] = r
+            u += 1
+    srt = np.sort(bk[:u])
+    for p in range(u):
+        r = srt[p]
+        pos[r] = p
+        t = table_of_row[r]
+        bt[p] = t
+        bk[p] = r - row_base[t]
+        counts[p] = 0
+    for j in range(a, b):
+        p = pos[rows[j]]
+        counts[p] += 1
+        clock[p] = c0 + (j - a)  # the last occurrence's
+    return u
+
+
+@kernel
+def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io,
+           row_bytes, ws, res, clock0):
+    """Replay batches ``rows[offsets[i]:offsets[i + 1]]`` (dense row numbers, int64) in
+    order.  ``table_of_row``/``row_base``: each dense row's table and the first dense
+    row of each table (index keys are ``(table, row - row_base[table])``); ``written``
+    (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
+    ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied).
+
+    This kernel deduplicates each batch of more than one id (:func:`_dedup`, which
+    allocates); :func:`_run`, compiled without reference counting, replays the batches
+    between two of them."""
+    nmax = np.int64(1)
+    for i in range(offsets.size - 1):
+        nmax = max(nmax, offsets[i + 1] - offsets[i])
+    scratch = np.empty((4, nmax), dtype=np.int64)  # a batch's distinct rows: table, id, clock, count
+    nr = table_of_row.size if nmax > 1 else 1
+    stamp = np.full(nr, -1, dtype=np.int64)
+    pos = np.empty(nr, dtype=np.int64)
+    i = np.int64(0)
+    c0 = np.int64(clock0)
+    nb = offsets.size - 1
+    while i < nb:
+        a, b = offsets[i], offsets[i + 1]
+        u0 = np.int64(0)
+        if b - a > 1:
+            u0 = _dedup(rows, a, b, table_of_row, row_base, stamp, pos, i, c0, scratch)
+        i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters,
+                     io, row_bytes, ws, res, scratch, u0, i, c0)
+        if i < 0:
+            return i
     return c0

@@ -24,8 +24,9 @@ length, heap length, builds, scans, and 1 to always scan (a reference for tests)
 from __future__ import annotations
 
 import numpy as np
+from numba.core import types
 
-from .jit import helper, kernel, leaf, tiny
+from .jit import DISABLED, helper, inline, is_warm, kernel, leaf, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
@@ -139,6 +140,46 @@ def _select(a, n, k):
 
 
 @helper
+def _sort_pairs(ks, ss, n):
+    """Sort ``ks[:n]`` (int64) ascending, ``ss[:n]`` along with it, stably: an LSD radix
+    sort of 8-bit digits, skipping the digits every key shares (a clock's top bytes).
+    Entries collected in slot order come out in ``(key, slot)`` order.  numba's stable
+    ``argsort`` took ~10 ms for 50k keys, most of an evicting batch's placement."""
+    if n < 2:
+        return
+    tk = np.empty(n, dtype=np.int64)
+    ts = np.empty(n, dtype=np.int64)
+    cnt = np.empty(256, dtype=np.int64)
+    sign = np.uint64(0x8000000000000000)
+    src_k, src_s, dst_k, dst_s = ks, ss, tk, ts
+    moved = False
+    for shift in range(0, 64, 8):
+        sh = np.uint64(shift)
+        cnt[:] = 0
+        for i in range(n):
+            cnt[np.int64(((np.uint64(src_k[i]) ^ sign) >> sh) & np.uint64(255))] += 1
+        if cnt.max() == n:  # one digit for all: this pass would not move anything
+            continue
+        tot = np.int64(0)
+        for d in range(256):
+            c = cnt[d]
+            cnt[d] = tot
+            tot += c
+        for i in range(n):
+            d = np.int64(((np.uint64(src_k[i]) ^ sign) >> sh) & np.uint64(255))
+            p = cnt[d]
+            dst_k[p] = src_k[i]
+            dst_s[p] = src_s[i]
+            cnt[d] = p + 1
+        src_k, src_s, dst_k, dst_s = dst_k, dst_s, src_k, src_s
+        moved = not moved
+    if moved:  # the sorted keys are in the scratch arrays
+        for i in range(n):
+            ks[i] = tk[i]
+            ss[i] = ts[i]
+
+
+@helper
 def build_(key, rm, run_s, run_k, keys_t, r):
     """A reservoir of the ``r`` occupied slots of smallest key (and all their ties)."""
     occ = np.int64(0)
@@ -164,10 +205,10 @@ def build_(key, rm, run_s, run_k, keys_t, r):
                 ss[j] = s
                 j += 1
         occ = j
-    o = np.argsort(ks[:occ], kind="mergesort")  # slots ascending: (key, slot) order
+    _sort_pairs(ks, ss, occ)  # collected with slots ascending: (key, slot) order
     for i in range(occ):
-        run_k[i] = ks[o[i]]
-        run_s[i] = ss[o[i]]
+        run_k[i] = ks[i]
+        run_s[i] = ss[i]
     rm[_RLEN] = occ
     rm[_POS] = 0
     rm[_HLEN] = 0
@@ -191,10 +232,10 @@ def scan_(key, rm, keys_t, pins, mark, n, out):
             ks[j] = key[s]
             ss[j] = s
             j += 1
-    o = np.argsort(ks, kind="mergesort")
+    _sort_pairs(ks, ss, m)  # collected with slots ascending: (key, slot) order
     got = min(n, m)
     for i in range(got):
-        out[i] = ss[o[i]]
+        out[i] = ss[i]
     rm[_SCANS] += 1
     return got
 
@@ -252,7 +293,7 @@ def _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out):
     return found
 
 
-@helper
+@inline
 def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable, occupancy, out):
     """``out[:n]`` = the ``n`` evictable slots with the smallest ``(key, slot)``, in that
     order; ``evictable`` of ``occupancy`` occupied slots are.  Returns the number found
@@ -308,3 +349,14 @@ def check(pol, keys_t):
         if keys_t[s] >= 0 and key[s] <= rm[_TAU] and have[s] == 0:
             return False
     return True
+
+
+if not DISABLED and not is_warm():
+    # Compiled (with reference counting) at import, before any caller: the compiled
+    # replay loop (a leaf, :func:`hiermem.core.jit.leaf`) reaches them through victims_,
+    # and a leaf may call a function that allocates only through an existing overload.
+    # With a warm cache the leaves load compiled, and these load lazily (0.5 s of import).
+    _I64 = types.Array(types.int64, 1, "C")
+    build_.compile((_I64, _I64, _I64, _I64, _I64, types.int64))
+    scan_.compile((_I64, _I64, _I64, types.Array(types.int32, 1, "C"), types.Array(types.uint8, 1, "C"),
+                   types.int64, _I64))

@@ -15,8 +15,9 @@ docs/dataplane.md): rows are added eight columns at a time into an accumulator o
 stack (:mod:`~hiermem.dataplane.simd`; numba's own loops compiled to one scalar add and
 store per column); tier rows are indexed ``dev[g, c]``, never taken as views (a view per
 id is a reference-count round trip); the row of the id (distinct row) ``AHEAD`` places
-on is prefetched; and the common row widths (16, 32, 64, 128) have their own compiled
-copy, where the width is a constant and the accumulator lives in registers.
+on is prefetched; and two common row widths (16, 64) have their own compiled copy,
+where the width is a constant and the accumulator lives in registers (each copy costs
+~4 s of first-import compile per kernel: 32 and 128 run the generic vector path).
 
 Summation order (the torch reference path, :class:`~hiermem.dataplane.TorchPlane`,
 adds in the same order): a bag's rows in input order; a distinct row's gradient over
@@ -103,7 +104,7 @@ def add_row(acc, src, r, cols, weighted, w):
 #: the accumulator in vector registers across a bag's (a row's) ids instead of storing
 #: and reloading it per id (a dependency chain through memory); other widths run the
 #: same code with the width a variable.
-W16, W32, W64, W128 = 16, 32, 64, 128
+W16, W64 = 16, 64
 #: bags (lookup) per parallel chunk
 BAG_CHUNK = 64
 
@@ -151,12 +152,8 @@ def pool(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out):
         hi = min(nb, lo + BAG_CHUNK)
         if cols == W16:
             pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W16)
-        elif cols == W32:
-            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W32)
         elif cols == W64:
             pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W64)
-        elif cols == W128:
-            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W128)
         else:
             pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols)
 
@@ -257,15 +254,9 @@ def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, cou
         if wd == W16:
             sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
                      scale, nlr, nbytes, W16)
-        elif wd == W32:
-            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
-                     scale, nlr, nbytes, W32)
         elif wd == W64:
             sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
                      scale, nlr, nbytes, W64)
-        elif wd == W128:
-            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
-                     scale, nlr, nbytes, W128)
         else:
             sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
                      scale, nlr, nbytes, 0)

@@ -309,6 +309,7 @@ class PrefetchPipeline:
         self._closed = False
         self._initial: list[_Handle] = []
         if self.mode == "foreground":  # batches pass through; the module's lookups place their rows
+            self.min_effective_depth = 0  # no batch is ever held ahead
             return
         self._fill()
         for h in self._initial:

@@ -444,6 +444,7 @@ def test_foreground_pipeline_equals_no_pipeline(tmp_path, monkeypatch):
     assert torch.equal(got_fg[0][0], got_none[0][0]) and torch.equal(got_fg[0][1], got_none[0][1])
     assert sf["mode"] == "foreground" and sf["background"] is False and sf["steps"] == 30
     assert sf["prefetched_batches"] == 0 and sf["late_batches"] == 0
+    assert sf["min_effective_depth"] == 0 and sf["mean_effective_depth"] == 0
 
 
 def test_write_behind_auto_is_reported(tmp_path, monkeypatch):

@@ -27,6 +27,12 @@ blocks of 5 alternating with the baseline (nn.EmbeddingBag(sparse=True) + SGD, s
 model, same batches), so the machine's noise hits both; a ratio is the median of the
 blocks' ratios.  A hiermem block ends by waiting for the background work it started.
 
+Prefetch over no prefetch and write-behind over synchronous write-backs are measured as
+pairs (``paired``): both configurations warm up, then train the same batches in
+alternating blocks in the same run, and the ratio is the median of the blocks' ratios
+(the configurations' own ratios to the baseline, measured apart, are the ``_unpaired``
+figures: on a noisy machine they differ by +-10% even where both run the same code).
+
 Time split (ms/step): ``dense`` = step - the training thread's store calls - ``wait``
 (for the prefetch thread, and at block ends); ``lmdb_read``/``lmdb_write``: the disk
 tier's timers (any thread); ``copies``: bytes moved device<->host over the gather/scatter
@@ -83,6 +89,7 @@ GPU_NVME_BPS = 7e9  # one Gen4/5 NVMe drive, sequential read (also used for writ
 WINDOW, TOLERANCE, MIN_WARMUP = 20, 0.005, 40
 DEPTH = 2
 BLOCK = 5  # timed steps per block, alternating hiermem and baseline
+PAIR_STEPS = 2  # a pair (paired()) times this many x --steps: twice the blocks, half the noise of a median
 
 
 @dataclass(frozen=True)
@@ -349,6 +356,55 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
     return res
 
 
+def paired(ctx: dict, wl: Workload, name: str, a_cfg: tuple, b_cfg: tuple) -> dict:
+    """Configuration A's speed over configuration B's, measured as a pair: both warm up
+    (each until it settles, then the one behind steps on to the other's batch), then
+    train the same batches in alternating blocks of ``BLOCK`` steps (A then B, B then A,
+    ...), each block ending by waiting for its background work.  ``*_cfg``: (device rows,
+    host rows, prefetch depth, write_behind).  Returns the median of the blocks' ratios
+    (B's time over A's: > 1 when A is faster) and the settings each resolved to."""
+    a, batches = ctx["args"], ctx["batches"]
+    runs = []
+    try:
+        for tag, (dev, host, depth, wb) in (("a", a_cfg), ("b", b_cfg)):
+            path = ctx["tmp"] / (name.replace("/", "_").replace("@", "_") + "-pair-" + tag)
+            store = open_store(ctx["ck"], path, wl, dev, host, wb, False, a.device)
+            runs.append({"store": store, "path": path, "pipe": None})
+            tr = Trainer(hm.CachedEmbeddingBagCollection(wl.tables, store=store), len(wl.tables), a.dim,
+                         device=a.device)
+            pipe = hm.PrefetchPipeline(iter(batches), tr.model.embeddings, depth=depth) if depth else None
+            it = pipe if pipe is not None else iter(batches)
+            n, _ = warm(tr, store, it, a.warmup_cap, fill_host=True)
+            runs[-1].update(tr=tr, pipe=pipe, it=it, n=n)
+        start = max(r["n"] for r in runs)
+        for r in runs:  # both at the same batch
+            for _ in range(start - r["n"]):
+                r["tr"].step(next(r["it"]))
+            settle(r["store"], r["pipe"])
+        ratios = []
+        steps = PAIR_STEPS * a.steps
+        for j, i in enumerate(range(start, start + steps, BLOCK)):
+            t = {}
+            for r in (runs if j % 2 == 0 else runs[::-1]):
+                t0 = time.perf_counter()
+                for _ in range(min(BLOCK, start + steps - i)):
+                    r["tr"].step(next(r["it"]))
+                settle(r["store"], r["pipe"])
+                t[id(r)] = time.perf_counter() - t0
+            ratios.append(t[id(runs[1])] / t[id(runs[0])])
+        modes = [(r["pipe"].mode if r["pipe"] is not None else None, r["store"].write_behind) for r in runs]
+    finally:
+        for r in runs:
+            if r["pipe"] is not None:
+                r["pipe"].close()
+            r["store"].close()
+            shutil.rmtree(r["path"], ignore_errors=True)
+    med = float(np.median(ratios))
+    print(f"  {name:28s} paired x{med:.3f}  (blocks {min(ratios):.3f}..{max(ratios):.3f}; prefetch/write-behind "
+          f"{modes[0]} over {modes[1]})", file=sys.stderr)
+    return {"ratio": med, "block_ratios": [round(x, 4) for x in ratios], "a": modes[0], "b": modes[1]}
+
+
 def drop_page_cache(path: Path) -> None:
     """Drop the LMDB files' pages from the page cache (posix_fadvise DONTNEED)."""
     for f in path.glob("*.mdb"):
@@ -371,9 +427,9 @@ def template(wl: Workload, plain: PlainEmbeddingBags, tmp: Path) -> Path:
     return ck
 
 
-def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn) -> tuple[dict, float]:
-    """Every configuration of one workload; ({config name: figures}, W)."""
-    n_batches = a.warmup_cap + a.steps + DEPTH + 8
+def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn) -> tuple[dict, float, dict]:
+    """Every configuration of one workload; ({config name: figures}, W, {pair: paired ratio})."""
+    n_batches = a.warmup_cap + PAIR_STEPS * a.steps + DEPTH + 8
     batches = make_batches(wl, n_batches, a.batch)
     W = working_set(wl, batches)
     total = sum(t.num_rows for t in wl.tables)
@@ -381,7 +437,7 @@ def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn
           f"W = {W:.0f} distinct rows per batch; tables = {total / (max(sizes) * W):.0f}x the largest device tier",
           file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f"hiermem-bench-train-{wl.name}-"))
-    out = {}
+    out, pairs_out = {}, {}
     try:
         plain = PlainEmbeddingBags(wl.tables)
         t0 = time.perf_counter()
@@ -401,12 +457,19 @@ def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn
                                                   ("disk_pf_wb", 8 * dev, DEPTH, "auto", False)) if m in wb_sizes else ())):
                 name = f"{wl.name}/{kind}@{m}W"
                 out[name] = run_config(ctx, wl, name, dev, host, depth, wb=wb, preload=pre)
+        for m in wb_sizes or sizes[-1:]:  # the never-hurts ratios, measured as pairs
+            dev = int(m * W)
+            pairs = [("prefetch", (dev, 8 * dev, DEPTH, False), (dev, 8 * dev, 0, False))]
+            if m in wb_sizes:
+                pairs.append(("write_behind", (dev, 8 * dev, 0, "auto"), (dev, 8 * dev, 0, False)))
+            for what, ca, cb in pairs:
+                pairs_out[f"{wl.name}/{what}@{m}W"] = paired(ctx, wl, f"{wl.name}/{what}@{m}W", ca, cb)
         if a.cold:
             dev = int(2 * W)
             out[f"{wl.name}/cold_pf@2W"] = run_config(ctx, wl, f"{wl.name}/cold_pf@2W", dev, 8 * dev, DEPTH, cold=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out, W
+    return out, W, pairs_out
 
 
 def ratio(res: dict, num: str, den: str) -> float | None:
@@ -495,8 +558,17 @@ def print_table(res: dict) -> None:
           f"{'behind' if c['write_behind'] else 'in step'}")
 
 
-def summary(res: dict, Ws: dict, proj: dict, png: Path, a) -> dict:
-    """The JSON line: headline ratios, then every configuration's figures."""
+def summary(res: dict, Ws: dict, proj: dict, png: Path, a, pairs: dict | None = None) -> dict:
+    """The JSON line: headline ratios, then every configuration's figures.  The worst
+    prefetch and write-behind ratios come from the paired measurements (:func:`paired`)
+    where there are any; ``*_unpaired``: the same from configurations measured apart."""
+    pairs = pairs or {}
+
+    def worst_pair(what):
+        r = [v["ratio"] for k, v in pairs.items() if k.split("/")[1].startswith(what + "@")]
+        return min(r) if r else None
+    wp = worst(res, (("disk_pf", "disk"), ("disk_pf_wb", "disk_wb")))
+    ww = worst(res, (("disk_wb", "disk"), ("disk_pf_wb", "disk_pf")))
     r = lambda k: None if k not in res else round(res[k]["over_baseline"], 3)  # noqa: E731
     rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
     head = "zipf1.05/disk_pf@2W"
@@ -505,8 +577,12 @@ def summary(res: dict, Ws: dict, proj: dict, png: Path, a) -> dict:
             "criteo_steady_disk_prefetch_over_baseline": r("criteo/disk_pf@2W"),
             "cold_disk_prefetch_over_baseline": r("zipf1.05/cold_pf@2W"),
             "device_over_baseline": r("zipf1.05/device"),
-            "worst_prefetch_over_no_prefetch": rnd(worst(res, (("disk_pf", "disk"), ("disk_pf_wb", "disk_wb")))),
-            "worst_write_behind_over_sync": rnd(worst(res, (("disk_wb", "disk"), ("disk_pf_wb", "disk_pf")))),
+            "worst_prefetch_over_no_prefetch": rnd(worst_pair("prefetch") if pairs else wp),
+            "worst_write_behind_over_sync": rnd(worst_pair("write_behind") if pairs else ww),
+            "worst_prefetch_over_no_prefetch_unpaired": rnd(wp),
+            "worst_write_behind_over_sync_unpaired": rnd(ww),
+            "paired": {k: {"ratio": rnd(v["ratio"]), "block_ratios": v["block_ratios"],
+                           "prefetch_write_behind": [v["a"], v["b"]]} for k, v in pairs.items()},
             "warmup_steps": res[head]["warmup_steps"] if head in res else None,
             "warmup_steps_max": max(c["warmup_steps"] for c in res.values()),
             "warmup_capped": [k for k, c in res.items() if not c["settled"]],
@@ -568,11 +644,12 @@ def main(argv=None) -> int:
           file=sys.stderr)
     rate = {}
     rate_fn = lambda d: rate.setdefault(d, copy_rate(d, 8192))  # noqa: E731
-    res, Ws = {}, {}
+    res, Ws, pairs = {}, {}, {}
     for wl in wls:
         a.cold = wl is wls[0] or not a.quick  # quick: cold start and write-behind on the first only
-        out, Ws[wl.name] = run_workload(a, wl, sizes, wb_sizes if a.cold else [], rate_fn)
+        out, Ws[wl.name], pr = run_workload(a, wl, sizes, wb_sizes if a.cold else [], rate_fn)
         res.update(out)
+        pairs.update(pr)
     print_table(res)
     proj = projection(res, a.dim * 4)
     print("\nPROJECTION (not measured): step time a GPU host (HBM 4.8 TB/s, PCIe Gen5 x16 55 GB/s, NVMe 7 GB/s) "
@@ -590,7 +667,7 @@ def main(argv=None) -> int:
     print(f"\nPNG: {png}; {time.perf_counter() - t0:.0f} s; load average {load[0]} at the start, {load[1]} at the end"
           f" on {os.cpu_count()} cores" + ("  (SHARED MACHINE: other work competed for the cores, ratios are noisy)"
                                           if load0 > 0.5 * (os.cpu_count() or 1) else ""), file=sys.stderr)
-    out = summary(res, Ws, proj, png, a)
+    out = summary(res, Ws, proj, png, a, pairs)
     out.update(seconds=round(time.perf_counter() - t0, 1), load_average=load, cpus=os.cpu_count())
     print(json.dumps(out))
     return 0

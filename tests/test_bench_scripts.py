@@ -60,3 +60,23 @@ def test_bench_io_per_row_costs_compare_the_same_rows(tmp_path):
     for op in ("read", "write"):
         assert out[f"{op}_store_us_per_row"] > 0 and out[f"{op}_raw_us_per_row"] > 0
         assert out[f"{op}_store_over_raw"] > 0
+
+
+def test_paired_runs_both_configurations_on_the_same_batches(bt, tmp_path):
+    """The never-hurts ratios come from a pair trained on the same batches in alternating
+    blocks: one ratio per block, each configuration's resolved modes reported."""
+    import types
+
+    import torch
+
+    wl = bt.zipf_workload(1.05, 3_000, 8, 2)
+    a = types.SimpleNamespace(warmup_cap=bt.MIN_WARMUP, steps=10, device="cpu", dim=8, batch=32)
+    batches = bt.make_batches(wl, a.warmup_cap + bt.PAIR_STEPS * a.steps + bt.DEPTH + 8, a.batch)
+    ck = bt.template(wl, bt.PlainEmbeddingBags(wl.tables), tmp_path)
+    ctx = {"args": a, "batches": batches, "tmp": tmp_path, "ck": ck}
+    torch.manual_seed(0)
+    out = bt.paired(ctx, wl, "zipf/prefetch@1W", (64, 512, bt.DEPTH, False), (64, 512, 0, False))
+    assert len(out["block_ratios"]) == bt.PAIR_STEPS * a.steps // bt.BLOCK
+    assert out["ratio"] == pytest.approx(float(np.median(out["block_ratios"])), abs=1e-4)  # blocks rounded
+    assert out["a"][0] in ("threads", "inline", "foreground") and out["b"] == (None, False)
+    assert not list(tmp_path.glob("*-pair-*"))  # both stores removed

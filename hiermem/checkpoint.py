@@ -25,7 +25,6 @@ lock, with no moment between in which another process could open the store.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import shutil
@@ -37,12 +36,13 @@ import torch
 
 from .errors import (DiskFullError, HierMemError, InvalidArgumentError, NonFiniteGradientError, StoreFormatError,
                      StoreIOError)
+from . import locks
+from .locks import READERS_LOCK, STORE_LOCK
 from .tiers.disk import DiskTier, _disk_full, decode_keys
 
 _FILES = ("data.mdb",)
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?:tmp|restore)-(?P<pid>[0-9]+)")
 _TEMP_FILES = {"data.mdb", "lock.mdb"}  # what a temporary of ours may hold
-READERS_LOCK = "hiermem.readers"  # held shared by read-only handles, exclusive by restore
 
 
 def _started_after(pid: int, when: float) -> bool:
@@ -160,17 +160,9 @@ def _lock_for_restore(path: Path) -> tuple[int, int]:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     fds = []
     try:
-        for name, who in (("hiermem.lock", "a process has the store open"),
+        for name, who in ((STORE_LOCK, "a process has the store open"),
                           (READERS_LOCK, "read-only handles of the store are open")):
-            try:
-                fd = os.open(path / name, os.O_RDWR | os.O_CREAT, 0o600)
-            except IsADirectoryError:
-                raise StoreFormatError(path, f"not a hiermem store: {path / name} is a directory") from None
-            fds.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                raise HierMemError(f"{path}: {who}; close it before restoring over it") from None
+            fds.append(locks.take(path, name, True, f"{who}; close it before restoring over it"))
         return fds[0], fds[1]
     except BaseException:
         for fd in fds:
@@ -252,7 +244,7 @@ class Checkpointing:
         if not (ck / "data.mdb").is_file():
             raise StoreFormatError(ck, "not a hiermem checkpoint (no data.mdb)")
         if path.exists() and (not path.is_dir() or (not (path / "data.mdb").exists() and any(
-                p.name not in ("hiermem.lock", READERS_LOCK, "lock.mdb") for p in path.iterdir()))):
+                p.name not in (STORE_LOCK, READERS_LOCK, "lock.mdb") for p in path.iterdir()))):
             raise StoreFormatError(path, "not a hiermem store: restore will not replace it")
         lockfd, readers_fd = _lock_for_restore(path)
         try:

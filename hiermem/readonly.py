@@ -27,7 +27,6 @@ Thread-safety: the methods take the handle's lock; one handle may serve several 
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import os
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import locks
 from .checkpoint import READERS_LOCK
 from .errors import HierMemError, InvalidArgumentError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .optim import optimizer_from_dict
@@ -104,16 +104,7 @@ class ReadOnlyStore:
         self._closed = False
 
     def _take_readers_lock(self) -> int:
-        try:
-            fd = os.open(self.path / READERS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as e:
-            raise HierMemError(f"{self.path}: cannot open the readers' lock file: {e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise HierMemError(f"{self.path}: store is being restored; open it again when that is done") from None
-        return fd
+        return locks.take(self.path, READERS_LOCK, False, "store is being restored; open it again when that is done")
 
     def _release(self) -> None:
         with _OPEN_LOCK:

@@ -19,7 +19,6 @@ thread, a metrics scrape and the training loop may share one store.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 from types import SimpleNamespace
@@ -43,6 +42,7 @@ from .optim import Optimizer, optimizer_from_dict
 from .dataplane import DataPlane, RowGrads, default_plane, plane_named
 from .dataplane.batch import minmax, sorted_runs
 from .batched import BatchedOps
+from . import locks
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
@@ -341,21 +341,10 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             if self.path.exists() and not self.path.is_dir():
                 raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            lock = self.path / "hiermem.lock"
-            self._made_lock = not lock.exists()
+            self._made_lock = not (self.path / locks.STORE_LOCK).exists()
             fd = _HANDOFF.pop(key, None)  # locked by restore() for this open
             if fd is None:
-                try:
-                    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-                except IsADirectoryError:
-                    raise StoreFormatError(self.path, f"not a hiermem store: {lock} is a directory") from None
-                except OSError as e:
-                    raise HierMemError(f"{self.path}: cannot open the store's lock file: {e}") from e
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    os.close(fd)
-                    raise HierMemError(f"{self.path}: store is open in another process") from None
+                fd = locks.take(self.path, locks.STORE_LOCK, True, "store is open in another process")
             try:  # private even if loosened since, as DiskTier makes LMDB's files
                 os.fchmod(fd, 0o600)
             except PermissionError:  # another owner's file: leave it
@@ -367,7 +356,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         with _OPEN_LOCK:
             _OPEN.discard(os.path.realpath(self.path))
             if unlink:  # refused a foreign directory: leave it as it was
-                (self.path / "hiermem.lock").unlink(missing_ok=True)
+                (self.path / locks.STORE_LOCK).unlink(missing_ok=True)
             os.close(self._lockfd)
 
     # -- validation ---------------------------------------------------------------

@@ -300,7 +300,7 @@ class Checkpointing:
             self.flush()
             w = self.widths[ti]
             keys, vals = [], []
-            db = self._disk._db(ti)  # None: nothing of the table was ever written
+            db = self._disk.table_database(ti)  # None: nothing of the table was ever written
             if db is not None:
                 with self._disk.env.begin(db=db, buffers=False) as txn:
                     for k, v in txn.cursor():

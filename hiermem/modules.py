@@ -224,7 +224,22 @@ class CachedEmbeddingBagCollection(nn.Module):
         """A consistent snapshot of every table across all tiers (see ``HierarchicalStore.checkpoint``)."""
         return self.store.checkpoint(dest)
 
+    # -- prefetch hand-off (a PrefetchPipeline's) --------------------------------------------
+    def expect(self, features, handle) -> None:
+        """The next ``forward(features)`` (this very object) uses ``handle``'s prefetch:
+        its ticket, then its release after the backward."""
+        self._pending[id(features)] = handle
+
+    def forget(self, features) -> None:
+        """Drop the prefetch handle :meth:`expect` left for ``features`` (never looked up)."""
+        self._pending.pop(id(features), None)
+
     # -- forward ------------------------------------------------------------------------
+    def as_features(self, features) -> SparseFeatures:
+        """``features`` (:class:`SparseFeatures` or a torchrec ``KeyedJaggedTensor``) as the
+        :class:`SparseFeatures` of this collection's tables (validated)."""
+        return self._features(features)
+
     def _features(self, features) -> SparseFeatures:
         if isinstance(features, SparseFeatures):
             f = features
@@ -297,7 +312,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             destination[f"{prefix}{s.name}.ids"] = ids
             destination[f"{prefix}{s.name}.weight"] = rec[:, :s.dim].clone()
             destination[f"{prefix}{s.name}.optimizer_state"] = rec[:, s.dim:].clone()
-            destination[f"{prefix}{s.name}.step"] = torch.tensor(self.store._steps[self.store.table_index(s.name)])
+            destination[f"{prefix}{s.name}.step"] = torch.tensor(self.store.table_step(s.name))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -319,7 +334,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for s in self.tables:
             ids, w, st, step = (state_dict[f"{prefix}{s.name}.{p}"] for p in parts)
             self.store.import_records(s.name, ids.to(torch.int64), torch.cat((w, st), 1).to(torch.float32))
-            self.store._steps[self.store.table_index(s.name)] = int(step)
+            self.store.set_table_step(s.name, int(step))
         self.store.flush()
 
     def extra_repr(self) -> str:

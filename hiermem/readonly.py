@@ -149,7 +149,7 @@ class ReadOnlyStore:
         w, n = self.widths[ti], u.numel()
         ids = id_keys(u.numpy())  # sorted and distinct (dedup)
         disk = self._disk
-        db = disk._db(ti)  # None: nothing of the table was ever written
+        db = disk.table_database(ti)  # None: nothing of the table was ever written
 
         def snapshot(txn):
             return (txn.get(META_KEY, db=disk.meta_db),
@@ -160,7 +160,7 @@ class ReadOnlyStore:
         seq = int(parse_meta(self.path, raw_meta).get("flush_seq", 0))
         found = np.zeros(n, dtype=bool)
         out = np.zeros((n, w), dtype=np.float32)
-        disk._parse(res, ti, w, ids, None, found, out)
+        disk.parse_records(res, ti, w, ids, None, found, out)
         rec = torch.from_numpy(out)
         new = torch.from_numpy(~found).nonzero().squeeze(1)
         if new.numel():
@@ -198,7 +198,7 @@ class ReadOnlyStore:
         order, all from one read transaction; ``count``, if given, gets the total first."""
         w = self.widths[ti]
         disk = self._disk
-        db = disk._db(ti)  # before the transaction (opening one takes its own)
+        db = disk.table_database(ti)  # before the transaction (opening one takes its own)
         with disk.env.begin(buffers=False) as txn:  # one snapshot for the whole table
             raw_meta = txn.get(META_KEY, db=disk.meta_db)
             self.flush_seq = int(parse_meta(self.path, raw_meta).get("flush_seq", 0)) if raw_meta else 0

@@ -651,6 +651,43 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
+    # -- read-only views for the store's collaborators (metrics, pipeline, modules) ------
+    @property
+    def lock(self) -> threading.RLock:
+        """The store's (re-entrant) lock: every call holds it; hold it to read several
+        figures of one moment, or to keep the store's state still."""
+        return self._lock
+
+    @property
+    def slot_tiers(self) -> tuple[SlotTier, SlotTier]:
+        """The slot tiers, fastest first: ``(device, host)``.  Their metadata is the
+        control plane's; read it under :attr:`lock`, change it never."""
+        return self._dev, self._host
+
+    @property
+    def device_tier(self) -> SlotTier:
+        return self._dev
+
+    @property
+    def host_tier(self) -> SlotTier:
+        return self._host
+
+    @property
+    def disk(self) -> DiskTier:
+        """The LMDB tier (its counters and timers are read by metrics)."""
+        return self._disk
+
+    def table_step(self, table: str) -> int:
+        """Optimizer steps table ``table`` has taken (Adam's bias correction counts them)."""
+        return self._steps[self.table_index(table)]
+
+    def set_table_step(self, table: str, step: int) -> None:
+        """Set table ``table``'s optimizer step count (a module's ``load_state_dict``)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+        with self._lock:
+            self._steps[self.table_index(table)] = step
+
     @property
     def data_plane(self) -> str:
         """The data plane executing pooling and the fused optimizer (``"compiled"``: numba

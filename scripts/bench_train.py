@@ -226,7 +226,7 @@ def settle(store, pipe) -> None:
     (and the GPU's queued kernels)."""
     if pipe is not None:
         pipe.wait_idle()
-    store._disk.drain()  # the write-behind queue (a no-op without it)
+    store.disk.drain()  # the write-behind queue (a no-op without it)
     sync()
 
 
@@ -263,7 +263,7 @@ def timed_blocks(tr: Trainer, it, store, pipe, base: Trainer, batches: list, sta
 def snapshot(store, pipe) -> dict:
     """Counters and timers of the store (and pipeline) now, as plain numbers."""
     c = store.counters
-    rd, wr = store._disk.durations()
+    rd, wr = store.disk.durations()
     return {"table": c.table.sum(0).clone(), "io": c.io.clone(),
             "fg": c.lookup_seconds.sum + c.update_seconds.sum, "read": rd.sum, "write": wr.sum,
             "wait": pipe.wait_seconds if pipe else 0.0, "pf": pipe.prefetch_seconds if pipe else 0.0,

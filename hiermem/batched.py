@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .batches import Batch, Placement, dedup, runs
 from .dataplane import RowGrads
-from .dataplane.batch import bag_of, first_bad, offsets_bad, tables_present
+from .dataplane.batch import bag_of, first_bad, offsets_bad, sorted_runs, tables_present
 from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError
 from .stats import IO, timed
 from .tiers.slots import by_table
@@ -166,10 +167,7 @@ class BatchedOps:
         return t, k
 
     def _batch_multi(self, t: torch.Tensor, k: torch.Tensor):
-        """Deduplicate ids of several tables at once (a :class:`~hiermem.store.Batch`)."""
-        from .dataplane.batch import sorted_runs
-        from .store import Batch, dedup, runs
-
+        """Deduplicate ids of several tables at once (a :class:`~hiermem.batches.Batch`)."""
         n = k.numel()
         if self._linear is not None and k.device.type == "cpu":  # one compiled radix sort
             perm, starts, inverse, counts, lastpos, uk, ut = sorted_runs(k, t, self._linear_np)
@@ -189,8 +187,6 @@ class BatchedOps:
 
     def _locate(self, b):
         """Placement of resident rows without moving anything (None if one is not resident)."""
-        from .store import Placement
-
         g = self._keys.find(b.t, b.k).to(self.device)
         if bool((g < 0).any()):
             return None
@@ -499,8 +495,7 @@ class BatchedOps:
             if n == 0:
                 return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
             if b is not None and ticket.pinned and not ticket.released and ticket.slots is not None:
-                from .store import Placement  # pinned on the device by its prefetch: rows stay put
-
+                # pinned on the device by its prefetch: rows stay put
                 self.counters.add_io(IO.PREFETCH_HITS, n)
                 p = Placement(None, ticket.slots)
             else:

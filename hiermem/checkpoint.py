@@ -236,7 +236,7 @@ class Checkpointing:
             DiskFullError, StoreIOError: copying failed (the store is untouched).
         """
         ck, path = Path(checkpoint).absolute(), Path(path).absolute()
-        from .store import _HANDOFF, _OPEN, _OPEN_LOCK
+        from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK
 
         with _OPEN_LOCK:
             if os.path.realpath(path) in _OPEN:
@@ -338,7 +338,7 @@ class Checkpointing:
                 self._disk.write([(ti, b.k[out].cpu().numpy(), rec[out].cpu().numpy())], meta=self._meta())
             ri = res.nonzero().squeeze(1)
             if ri.numel():
-                from .store import Batch
+                from .batches import Batch
 
                 sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
                 self._scatter(self._locate(sub), rec.index_select(0, ri))

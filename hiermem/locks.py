@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from pathlib import Path
 
 from .errors import HierMemError, StoreFormatError
 
 STORE_LOCK = "hiermem.lock"  # exclusive: the writing process, or restore
 READERS_LOCK = "hiermem.readers"  # shared by read-only handles, exclusive by restore
+
+# this process's own claims (flock does not conflict within one process): guarded by OPEN_LOCK
+OPEN: set[str] = set()  # real paths of store directories open for writing here
+READERS: set[str] = set()  # real paths of store directories with a read-only handle here
+HANDOFF: dict[str, int] = {}  # store lock descriptors restore() took for the open that follows
+OPEN_LOCK = threading.Lock()
 
 
 def take(directory: Path, name: str, exclusive: bool, busy: str) -> int:

@@ -21,7 +21,8 @@ from torch import nn
 from .dataplane.batch import repeat
 from .errors import InvalidArgumentError, InvalidTypeError
 from .features import SparseFeatures
-from .store import HierarchicalStore, initial_records
+from .rows import initial_records
+from .store import HierarchicalStore
 from .torchrec_compat import TorchRecLayout
 from .types import StoreConfig, TableSpec
 

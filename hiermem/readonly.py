@@ -35,11 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import locks
+from . import locks, validate
 from .checkpoint import READERS_LOCK
 from .errors import HierMemError, InvalidArgumentError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .optim import optimizer_from_dict
-from .store import _OPEN, _OPEN_LOCK, _READERS, HierarchicalStore, dedup, initial_records
+from .batches import dedup
+from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS
+from .rows import initial_records
 from .tiers.disk import META_KEY, DiskTier, decode_keys, id_keys, key_list, parse_meta
 from .types import TableSpec
 
@@ -112,8 +114,11 @@ class ReadOnlyStore:
         os.close(self._lockfd)
 
     # -- validation (the store's own rules) ---------------------------------------------
-    table_index = HierarchicalStore.table_index
-    _ids = HierarchicalStore._ids
+    def table_index(self, table: str) -> int:
+        return validate.table_index(self._index, table)
+
+    def _ids(self, ti: int, ids) -> torch.Tensor:
+        return validate.check_ids(self.tables[ti], ids, self.device)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -22,120 +22,32 @@ from __future__ import annotations
 import os
 import threading
 from types import SimpleNamespace
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidIdError, InvalidTypeError,
-                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError,
-                     UnknownTableError)
+from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidTypeError,
+                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError)
 from .eviction import resolve_policy
-from .hashing import mix_scalar, uniform_rows
+from .rows import initial_records
 from .overlap import resolve_write_behind
 from .core import plan as _plan
 from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
 from .dataplane import DataPlane, RowGrads, default_plane, plane_named
-from .dataplane.batch import minmax, sorted_runs
+from .batches import Batch, Placement, dedup
 from .batched import BatchedOps
-from . import locks
+from . import locks, validate
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
 from .tiers.slots import Rows, by_table, by_tier
 from .types import StoreConfig, TableSpec, Tier
 
-_OPEN: set[str] = set()  # store directories open in this process
-_OPEN_LOCK = threading.Lock()
-_READERS: set[str] = set()  # store directories with a read-only handle in this process (hiermem.readonly)
-_HANDOFF: dict[str, int] = {}  # store lock descriptors taken by restore() for the open that follows
-
-
-def initial_records(spec: TableSpec, table_index: int, seed: int, optimizer: Optimizer,
-                    ids: torch.Tensor) -> torch.Tensor:
-    """Records ``[n, dim + state]`` of rows never written: weights ``U[-bound, bound)`` from
-    a counter-based hash of ``(seed, table, id)``, optimizer state at its initial value."""
-    key = mix_scalar(seed, table_index, spec.num_rows or 0, spec.dim)
-    rec = torch.full((ids.numel(), spec.dim + optimizer.state_width(spec.dim)), optimizer.state_init(),
-                     dtype=torch.float32, device=ids.device)
-    rec[:, :spec.dim] = uniform_rows(key, ids, spec.dim, spec.bound)
-    return rec
-
-
-@dataclass
-class Placement:
-    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`."""
-
-    on_device: torch.Tensor | None  # bool [U] (None: all on device)
-    slot: torch.Tensor  # int64 [U], a slot of the device or host tier
-    was_on_device: torch.Tensor | None = None  # bool [U]: on the device before the resolve (None: all)
-
-
-@dataclass
-class Batch:
-    """A validated, deduplicated batch of keys of one or more tables."""
-
-    t: torch.Tensor  # int64 [U] table index of each distinct key
-    k: torch.Tensor  # int64 [U] ids
-    inverse: torch.Tensor  # int64 [n] position of each input id in (t, k)
-    counts: torch.Tensor  # int64 [U] occurrences
-    lastpos: torch.Tensor  # int64 [U] position of the last occurrence
-    n: int
-    perm: torch.Tensor | None = None  # int64 [n] input positions in (t, k) order, stable
-    starts: torch.Tensor | None = None  # int64 [U] where each distinct key's run starts in perm
-
-    def sum_rows(self, src: torch.Tensor, index: torch.Tensor | None = None,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Per distinct key, the sum over its occurrences ``j`` of ``src[index[j]] * weights[j]``
-        (``src[j]`` when ``index`` is None): ``[U, cols]`` float32.
-
-        One fused ``embedding_bag`` over the runs of the sorted order (no ``[n, cols]``
-        intermediate, and far faster than ``index_add_`` on CPU); occurrences add up in
-        input order, as ``index_add_`` would add them.
-        """
-        src = src.detach()
-        if self.perm is None:  # a batch built without its sort (a sub-batch)
-            rows = src if index is None else src.index_select(0, index)
-            if weights is not None:
-                rows = rows * weights.unsqueeze(1)
-            out = torch.zeros((self.k.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
-            return out.index_add_(0, self.inverse, rows)
-        idx = self.perm if index is None else index.index_select(0, self.perm)
-        w = None if weights is None else weights.detach().to(src.dtype).index_select(0, self.perm)
-        return F.embedding_bag(idx, src, self.starts, mode="sum", per_sample_weights=w)
-
-
-def dedup(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(unique, inverse, counts, lastpos, perm, starts)`` of int64 keys ``x`` from one
-    stable sort (``torch.unique`` sorts too, but returns neither the order nor the last
-    occurrence, which then costs a scatter).  On the CPU one compiled radix sort and a
-    pass over its runs give the same tensors (:mod:`hiermem.dataplane.dedup`)."""
-    if x.device.type == "cpu":
-        perm, starts, inverse, counts, lastpos, u, _ = sorted_runs(x)
-        return u, inverse, counts, lastpos, perm, starts
-    s, perm = torch.sort(x, stable=True)
-    starts, inverse, counts, lastpos = runs(perm, s[1:] != s[:-1])
-    return s.index_select(0, starts), inverse, counts, lastpos, perm, starts
-
-
-def runs(perm: torch.Tensor, differs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(starts, inverse, counts, lastpos)`` of the runs of equal keys in a stable sort
-    ``perm`` of the input, whose sorted neighbours differ where ``differs [n-1]``."""
-    n = perm.numel()
-    new = torch.ones(n, dtype=torch.bool, device=perm.device)
-    new[1:] = differs
-    starts = new.nonzero().squeeze(1)
-    ends = torch.empty_like(starts)
-    if starts.numel():
-        ends[:-1] = starts[1:]
-        ends[-1] = n
-    inverse = torch.empty_like(perm).scatter_(0, perm, torch.cumsum(new, 0) - 1)
-    # in a stable sort the last of a run is the key's last occurrence in the input
-    return starts, inverse, ends - starts, perm.index_select(0, ends - 1)
+from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS  # noqa: E402
 
 
 class HierarchicalStore(BatchedOps, Checkpointing):
@@ -365,33 +277,10 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             raise StoreClosedError(f"{self.path}: store is closed")
 
     def table_index(self, table: str) -> int:
-        try:
-            return self._index[table]
-        except (KeyError, TypeError):
-            raise UnknownTableError(f"unknown table {table!r}; tables are {list(self._index)}") from None
+        return validate.table_index(self._index, table)
 
     def _ids(self, ti: int, ids) -> torch.Tensor:
-        if isinstance(ids, np.ndarray):
-            if ids.dtype.kind not in "iu":
-                raise InvalidTypeError(f"ids must be integers, got numpy {ids.dtype}")
-            if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
-                raise InvalidIdError(f"table {self.tables[ti].name}: ids above 2**63-1")
-            ids = torch.from_numpy(ids.astype(np.int64, copy=False))
-        if not isinstance(ids, torch.Tensor):
-            raise InvalidTypeError(f"ids must be a torch.Tensor or numpy array, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise InvalidTypeError(f"ids must have an integer dtype, got {ids.dtype}")
-        if ids.dim() != 1:
-            raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-        ids = ids.to(self.device, torch.int64)
-        if ids.numel():
-            lo, hi = minmax(ids.contiguous().numpy()) if ids.device.type == "cpu" else (int(ids.min()), int(ids.max()))
-            spec = self.tables[ti]
-            if lo < 0 or hi > spec.max_id:
-                bad = lo if lo < 0 else hi
-                rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
-                raise InvalidIdError(f"table {spec.name}: id {bad} outside {rng}")
-        return ids
+        return validate.check_ids(self.tables[ti], ids, self.device)
 
     def _values(self, ti: int, n: int, values, what: str, check_finite: bool = True) -> torch.Tensor:
         dim = self.tables[ti].dim

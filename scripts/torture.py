@@ -92,7 +92,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hiermem as hm  # noqa: E402
-from hiermem.store import initial_records  # noqa: E402
+from hiermem.rows import initial_records  # noqa: E402
 from hiermem.tiers import DiskTier  # noqa: E402
 
 # -- the store under torture ---------------------------------------------------------------

@@ -145,7 +145,7 @@ def test_restore_hands_its_lock_to_the_store_it_opens(tmp_path):
         assert torch.equal(values(r), want)
     finally:
         r.close()
-    from hiermem.store import _HANDOFF
+    from hiermem.locks import HANDOFF as _HANDOFF
     assert not _HANDOFF
 
 

@@ -42,6 +42,7 @@ from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
 from .dataplane import DataPlane, RowGrads, default_plane, plane_named
 from .dataplane.batch import minmax, sorted_runs
+from .dataplane.staging import CopyStream, PinnedRing, Stager, inherent_wait, to_host
 from .batched import BatchedOps
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
@@ -68,11 +69,13 @@ def initial_records(spec: TableSpec, table_index: int, seed: int, optimizer: Opt
 
 @dataclass
 class Placement:
-    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`."""
+    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`
+    (CPU tensors: the control plane's answer)."""
 
     on_device: torch.Tensor | None  # bool [U] (None: all on device)
     slot: torch.Tensor  # int64 [U], a slot of the device or host tier
     was_on_device: torch.Tensor | None = None  # bool [U]: on the device before the resolve (None: all)
+    dev: SimpleNamespace | None = None  # the same on the store's device, staged (HierarchicalStore._stage)
 
 
 @dataclass
@@ -98,15 +101,21 @@ class Batch:
         input order, as ``index_add_`` would add them.
         """
         src = src.detach()
+        dd = src.device  # the batch's own tensors are on the CPU (copied here when src is not)
+        if index is not None:
+            index = index.to(dd)
+        if weights is not None:
+            weights = weights.detach().to(dd)
         if self.perm is None:  # a batch built without its sort (a sub-batch)
             rows = src if index is None else src.index_select(0, index)
             if weights is not None:
                 rows = rows * weights.unsqueeze(1)
-            out = torch.zeros((self.k.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
-            return out.index_add_(0, self.inverse, rows)
-        idx = self.perm if index is None else index.index_select(0, self.perm)
-        w = None if weights is None else weights.detach().to(src.dtype).index_select(0, self.perm)
-        return F.embedding_bag(idx, src, self.starts, mode="sum", per_sample_weights=w)
+            out = torch.zeros((self.k.numel(), src.shape[1]), dtype=src.dtype, device=dd)
+            return out.index_add_(0, self.inverse.to(dd), rows)
+        perm = self.perm.to(dd)
+        idx = perm if index is None else index.index_select(0, perm)
+        w = None if weights is None else weights.to(src.dtype).index_select(0, perm)
+        return F.embedding_bag(idx, src, self.starts.to(dd), mode="sum", per_sample_weights=w)
 
 
 def dedup(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -198,6 +207,16 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
+        # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
+        # in one copy, rows moved on a side stream, evictions landing in the host tier lazily
+        self._stager = Stager(self.device)
+        self._copies = CopyStream(self.device)
+        self._rows_ring = PinnedRing(pinned=self.device.type == "cuda", dtype=torch.float32)
+        self._pending_down: list[tuple] = []  # (event, pinned rows, host slots) not yet in the host tier
+        self._nonfinite: list[tuple] = []  # (event, pinned flag, tables, what) of updates checked on the device
+        #: check gradients for NaN/inf on the device, masking the update and raising at the
+        #: next update or flush, instead of a host sync per update (CUDA; see docs/dataplane.md)
+        self.defer_nonfinite = self.device.type == "cuda"
         self.plane: DataPlane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.counters = Counters(len(tables))
@@ -394,9 +413,11 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             raise InvalidTypeError(f"ids must have an integer dtype, got {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-        ids = ids.to(self.device, torch.int64)
+        # the control plane reads ids on the CPU: a batch's ids come there once (the one
+        # inherent device-to-host copy of a step when the caller's ids are on the GPU)
+        ids = to_host(ids, "ids").to(torch.int64)
         if ids.numel():
-            lo, hi = minmax(ids.contiguous().numpy()) if ids.device.type == "cpu" else (int(ids.min()), int(ids.max()))
+            lo, hi = minmax(ids.contiguous().numpy())
             spec = self.tables[ti]
             if lo < 0 or hi > spec.max_id:
                 bad = lo if lo < 0 else hi
@@ -460,13 +481,14 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)
         return nbytes
 
-    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool) -> Placement:
+    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool, extra: dict | None = None) -> Placement:
         """Make every row of ``b`` resident (device first, host when the device is full).
 
         The control plane decides (:func:`hiermem.core.plan.decide`), then the I/O that may
         fail runs (LMDB read of the rows from disk, write-back of dirty victims), so an
         error leaves the store as it was; then the plan is committed and the data plane
-        copies the records it names.
+        copies the records it names.  ``extra``: the step's own control arrays (see
+        :meth:`_extras`), staged to the device in the same copy as the plan's.
         """
         bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
         U = bk.size
@@ -497,30 +519,49 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock_np, counts_np,
                      account, ws, res, self.counters.table.numpy())
         if M == 0:
-            return Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()).to(self.device))
+            p = Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()))
+            if self._staging:
+                p.dev = self._stage(b, p, extra)
+            return p
         self._epoch += 1
         self._memo = None
-        self._copy_plan(ws, res, rec_disk)
         slot = torch.from_numpy(ws[_plan.SLOT, :U].copy())
         ondev = torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
         was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
-        all_dev = bool(ondev.all())
-        return Placement(None if all_dev else ondev.to(self.device), slot.to(self.device), was_dev.to(self.device))
+        p = Placement(None if bool(ondev.all()) else ondev, slot, was_dev)
+        if self._staging:
+            self._move_staged(ws, res, rec_disk, p, b, extra)
+        else:
+            self._copy_plan(ws, res, rec_disk)
+        return p
+
+    @property
+    def _staging(self) -> bool:
+        """Whether the data plane reads staged control arrays (:meth:`_stage`): on CUDA,
+        and on the CPU under the torch plane (so CPU tests run the same code)."""
+        return self.device.type == "cuda" or self.plane.name == "torch"
 
     def _write_back(self, wb: np.ndarray) -> None:
-        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused."""
+        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused.
+
+        On CUDA, reading the device victims is an inherent sync: the CPU writes LMDB."""
         parts = []
         for tier, slots in by_tier(wb, self._dev, self._host):
             if slots.size:
                 s = torch.from_numpy(slots)
-                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s),
-                              tier.data.index_select(0, s.to(tier.device)).cpu()))
+                if tier is self._host:
+                    self._settle_host()
+                    rec = tier.data.index_select(0, s)
+                else:
+                    rec = to_host(tier.data.index_select(0, s.to(tier.device, non_blocking=True)), "evict_to_disk")
+                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s), rec))
         t, k, rec = (torch.cat([p[i] for p in parts]) for i in range(3))
         self._write_down(Rows(t, k, rec, torch.ones(t.numel(), dtype=torch.bool)))
 
     def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
-        """The data plane of a committed plan: records host -> device, device -> host
-        (gathered before either side is overwritten), then disk records into place."""
+        """The data plane of a committed plan on a CPU store: records host -> device,
+        device -> host (gathered before either side is overwritten), then disk records
+        into place (:meth:`_move_staged` is the staged form, CUDA's)."""
         dev, host, dd = self._dev, self._host, self.device
         nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
         up = down = None
@@ -532,25 +573,142 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             dev.data.index_copy_(0, torch.from_numpy(ws[_plan.UP_DST, :nu].copy()).to(dd), up)
         if nd:
             host.data.index_copy_(0, torch.from_numpy(ws[_plan.DN_DST, :nd].copy()), down)
-        w = self.width * 4
-        nb = int(res[_plan.NB])
-        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
-        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
+        self._count_moves(nu, nd, int(res[_plan.NB]))
         if rec_disk is None:
             return
-        n = rec_disk.shape[0]
+        n, nb = rec_disk.shape[0], int(res[_plan.NB])
         dst = torch.from_numpy(ws[_plan.NEW_DST, :n].copy())
         if nb:
             dev.data.index_copy_(0, dst[:nb].to(dd), rec_disk[:nb].to(dd))
         if n > nb:
             host.data.index_copy_(0, dst[nb:] - host.base, rec_disk[nb:])
 
-    def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
+    def _count_moves(self, nu: int, nd: int, nb: int) -> None:
+        w = self.width * 4
+        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
+        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
+
+    def _move_staged(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None, p: Placement, b: Batch,
+                     extra: dict | None) -> None:
+        """The data plane of a committed plan, staged (CUDA; the torch plane on the CPU).
+
+        The plan's device-side slot arrays go with the placement's and the step's in one
+        copy (:meth:`_stage`).  Rows coming up (from the host tier, and from disk for the
+        device) are gathered on the CPU into one pinned buffer; on the side stream, after
+        the compute stream's queued work: one copy up, the evicted device rows gathered
+        and copied down into pinned memory, the rows up written into their slots; the
+        compute stream then waits for the side stream (on the device, not the host).
+        The rows going down land in the host tier's tensor only when the CPU next needs
+        it (:meth:`_settle_host`), so no step waits for its own evictions.
+        """
+        dev, host, dd = self._dev, self._host, self.device
+        nu, nd, nb = int(res[_plan.N_UP]), int(res[_plan.N_DN]), int(res[_plan.NB])
+        n = 0 if rec_disk is None else rec_disk.shape[0]
+        new_dst = ws[_plan.NEW_DST, :n].copy()
+        moves = {"up_dst": ws[_plan.UP_DST, :nu].copy(), "dn_src": ws[_plan.DN_SRC, :nd].copy(),
+                 "new_dst": new_dst[:nb]}
+        p.dev = d = self._stage(b, p, extra, moves)
+        self._settle_host()  # the CPU reads and writes the host tier below
+        up_rows = nu + nb
+        buf = None
+        if up_rows:
+            buf = self._rows_ring.take(up_rows * self.width).view(up_rows, self.width)
+            if nu:
+                torch.index_select(host.data, 0, torch.from_numpy(ws[_plan.UP_SRC, :nu].copy()), out=buf[:nu])
+            if nb:
+                buf[nu:] = rec_disk[:nb]
+        with self._copies as cs:
+            cs.keep(d.buffer)
+            up = None
+            if buf is not None:
+                up = buf.to(dd, non_blocking=True)
+                self._rows_ring.done(buf)
+            if nd:
+                down = dev.data.index_select(0, d.dn_src)
+                pinned = torch.empty(down.shape, dtype=torch.float32, pin_memory=dd.type == "cuda")
+                pinned.copy_(down, non_blocking=True)
+                self._pending_down.append((cs.event(), pinned, torch.from_numpy(ws[_plan.DN_DST, :nd].copy())))
+            if nu:
+                dev.data.index_copy_(0, d.up_dst, up[:nu])
+            if nb:
+                dev.data.index_copy_(0, d.new_dst, up[nu:])
+        if n > nb:
+            host.data.index_copy_(0, torch.from_numpy(new_dst[nb:]) - host.base, rec_disk[nb:])
+        self._count_moves(nu, nd, nb)
+
+    def _settle_host(self) -> None:
+        """Land the rows copied down by earlier plans in the host tier's tensor; before the
+        CPU reads or writes it.  Waits for those copies (normally long done: they were
+        queued a step or more ago; counted in ``hiermem.dataplane.staging.WAITS``)."""
+        while self._pending_down:
+            ev, rows, dst = self._pending_down.pop(0)
+            inherent_wait(ev, "host_tier_read")
+            self._host.data.index_copy_(0, dst, rows)
+
+    def _extras(self, b: Batch, offsets: torch.Tensor | None = None, bag: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> dict | None:
+        """The step's own control arrays for :meth:`_stage` (None when not staging): the
+        bags' offsets, and in the batch's sorted order the ids' bags and scales (CPU)."""
+        if not self._staging:
+            return None
+        ex: dict = {}
+        if offsets is not None:
+            ex["offsets"] = offsets.numpy()
+        if b.perm is not None:
+            perm = b.perm.numpy()
+            ex["perm"], ex["starts"] = perm, b.starts.numpy()
+            if bag is not None:
+                ex["src"] = bag.numpy()[perm]
+            if scale is not None and scale.device.type == "cpu":
+                ex["scale"] = scale.numpy()[perm]
+        return ex
+
+    def _stage(self, b: Batch, p: Placement | None = None, extra: dict | None = None,
+               moves: dict | None = None) -> SimpleNamespace:
+        """The control arrays of a batch (and its placement ``p``, the step's ``extra``, a
+        plan's ``moves``) on the store's device, in one host-to-device copy.
+
+        Fields: ``inverse [n]``; with ``p``: ``slot [U]``, and ``ids_slot [n]`` (each id's
+        device slot) when every row is on the device, else ``dev_idx``/``dev_slot`` and
+        ``host_idx`` (the batch's rows in each tier, and the device ones' slots) with
+        ``host_slot`` (CPU); the keys of ``extra`` and ``moves``; ``buffer``: the device
+        copy they all view.
+        """
+        arrays: dict = {"inverse": b.inverse.numpy()}
+        cpu: dict = {}
+        if p is not None:
+            slot = p.slot.numpy()
+            arrays["slot"] = slot
+            if p.on_device is None:
+                arrays["ids_slot"] = slot[arrays["inverse"]]
+            else:
+                od = p.on_device.numpy()
+                di, hi = np.flatnonzero(od), np.flatnonzero(~od)
+                arrays.update(dev_idx=di, dev_slot=slot[di], host_idx=hi)
+                cpu.update(host_slot=torch.from_numpy(slot[hi]), dev_slot_cpu=torch.from_numpy(slot[di]))
+        arrays.update(extra or {})
+        arrays.update(moves or {})
+        names = list(arrays)
+        out = self._stager.send([np.ascontiguousarray(arrays[k]) for k in names], pack=True)
+        d = SimpleNamespace(**dict(zip(names, out)), **cpu)
+        d.buffer = next((v for v in out if v is not None and v.numel()), None)
+        d.has = frozenset(names)
+        return d
+
+    def _staged(self, b: Batch, p: Placement, extra: dict | None) -> SimpleNamespace | None:
+        """``p.dev`` holding ``extra``'s arrays too, staged now if it does not already."""
+        if not self._staging:
+            return None
+        if p.dev is None or not set(extra or ()) <= p.dev.has:
+            p.dev = self._stage(b, p, extra)
+        return p.dev
+
+    def _place(self, b: Batch, account: bool, record: bool = True, extra: dict | None = None) -> Placement:
         if not account:
-            return self._resolve(b, torch.full_like(b.k, self._clock), False)
+            return self._resolve(b, torch.full_like(b.k, self._clock), False, extra)
         if self._soon is not None:  # a lookahead policy learns which resident rows come back soon
             self._mark_soon()
-        p = self._resolve(b, b.lastpos + self._clock, True)
+        p = self._resolve(b, b.lastpos + self._clock, True, extra)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
         if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
             self._recorder.record(b)
@@ -558,36 +716,57 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
     def _gather(self, p: Placement, cols: int) -> torch.Tensor:
         """Records ``[U, cols]`` on the device of a placement's rows."""
-        dev = self._dev
+        dev, d = self._dev, p.dev
         if p.on_device is None:
             src = dev.data if cols == dev.width else dev.data[:, :cols]
-            return src.index_select(0, p.slot)
+            return src.index_select(0, p.slot if d is None else d.slot)
         out = torch.empty((p.slot.numel(), cols), dtype=torch.float32, device=self.device)
-        di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
-        out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
-        out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi].cpu()).to(self.device)
+        self._settle_host()
+        if d is None:
+            di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
+            out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
+            out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi])
+            return out
+        # the host rows: gathered on the CPU into pinned memory, one copy up
+        rows = self._rows_ring.take(d.host_slot.numel() * cols).view(-1, cols)
+        torch.index_select(self._host.data[:, :cols], 0, d.host_slot, out=rows)
+        out.index_copy_(0, d.dev_idx, dev.data[:, :cols].index_select(0, d.dev_slot))
+        out.index_copy_(0, d.host_idx, rows.to(self.device, non_blocking=True))
+        self._rows_ring.done(rows)
         return out
 
     def _parts(self, p: Placement):
-        """``(tier, slots, idx)`` per tier holding rows of ``p``; ``idx`` picks the rows of
-        the batch in that tier (None: all of them, on the device)."""
+        """``(tier, slots, idx, cpu_slots)`` per tier holding rows of ``p``: ``slots`` on the
+        tier's device, ``idx`` the rows of the batch in that tier, on the store's device
+        (None: all of them, on the device), ``cpu_slots`` the slots on the CPU."""
+        d = p.dev
         if p.on_device is None:
-            return [(self._dev, p.slot, None)]
+            return [(self._dev, p.slot if d is None else d.slot, None, p.slot)]
         out = []
+        if d is not None:
+            if d.dev_idx.numel():
+                out.append((self._dev, d.dev_slot, d.dev_idx, d.dev_slot_cpu))
+            if d.host_idx.numel():
+                self._settle_host()
+                out.append((self._host, d.host_slot, d.host_idx, d.host_slot))
+            return out
         for tier, mask in ((self._dev, p.on_device), (self._host, ~p.on_device)):
             idx = mask.nonzero().squeeze(1)
             if idx.numel():
-                out.append((tier, p.slot.index_select(0, idx).to(tier.device), idx))
+                if tier is self._host:
+                    self._settle_host()
+                cs = p.slot.index_select(0, idx)
+                out.append((tier, cs.to(tier.device), idx.to(self.device), cs))
         return out
 
     def _scatter(self, p: Placement, rec: torch.Tensor) -> None:
         """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
         w = rec.shape[1]
-        for tier, slots, idx in self._parts(p):
-            r = rec if idx is None else rec.index_select(0, idx).to(tier.device)
+        for tier, slots, idx, cslots in self._parts(p):
+            r = rec if idx is None else rec.index_select(0, idx.to(rec.device))
             dst = tier.data if w == tier.width else tier.data[:, :w]
-            dst.index_copy_(0, slots, r)
-            tier.dirty[slots.cpu()] = True
+            dst.index_copy_(0, slots, r.to(tier.device))
+            tier.dirty[cslots] = True
 
     # -- public API -----------------------------------------------------------------
     @timed("lookup_seconds")
@@ -604,21 +783,24 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         with self._lock:
             self._check_open()
             ti = self.table_index(table)
+            ids_in = ids
             ids = self._ids(ti, ids)
             dim = self.tables[ti].dim
             if ids.numel() == 0:
                 return torch.empty((0, dim), dtype=torch.float32, device=self.device)
             b = self._batch(ti, ids)
-            p = self._place(b, account=True)
-            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            p = self._place(b, account=True, extra=self._extras(b))
+            # keyed by the caller's tensor (ids of a CUDA caller were copied to the CPU)
+            self._memo = (ids_in, ids_in._version, b, p, self._epoch, ti)
             return self._rows(p, b, dim)
 
     def _rows(self, p: Placement, b: Batch, dim: int) -> torch.Tensor:
         """Rows ``[n, dim]`` of every id of the batch (one gather when all are on device)."""
+        d = p.dev
         if p.on_device is None:
             src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
-            return src.index_select(0, p.slot.index_select(0, b.inverse))
-        return self._gather(p, dim).index_select(0, b.inverse)
+            return src.index_select(0, p.slot.index_select(0, b.inverse) if d is None else d.ids_slot)
+        return self._gather(p, dim).index_select(0, b.inverse if d is None else d.inverse)
 
     def _memo_for(self, ti: int, ids) -> tuple[Batch, Placement] | None:
         """The last lookup's batch and placement, if ``ids`` is that lookup's unchanged
@@ -650,17 +832,63 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         ``grads[src[j]] * scale[j]`` (``grads[j]`` when ``src`` is None) to its row."""
         if ids.numel() == 0:
             return
+        self._check_deferred()
         memo = self._memo_for(ti, ids_in)
         b, p = memo if memo is not None else (self._batch(ti, ids), None)
-        rg = RowGrads(b, grads.to(torch.float32).contiguous(), src, scale)
+        rg = self._row_grads(b, p, grads, src, scale)
+        what = f"grads of table {self.tables[ti].name}"
         # every row's gradient is checked before anything changes
-        self.plane.check(rg, f"grads of table {self.tables[ti].name}")
+        self.plane.check(rg, what)
         if p is None:
             p = self._place(b, account=False)
         self._steps[ti] += 1
         self.plane.apply(self, rg, p, [ti])
+        self._defer(rg, [ti], what)
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+
+    def _row_grads(self, b: Batch, p: Placement | None, grad: torch.Tensor, src: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> RowGrads:
+        """The per-row gradients of batch ``b`` (placed at ``p``, or None), with the batch's
+        control arrays staged on the device (the placement's when they are there, else
+        staged now: one copy) when the store stages."""
+        grad = grad.to(torch.float32).contiguous()
+        d = None
+        if self._staging and b.perm is not None:
+            d = p.dev if p is not None else None
+            want = {"perm", "starts"} | ({"src"} if src is not None else set())
+            if d is None or not want <= d.has:
+                d = self._stage(b, None, self._extras(b, None, src, scale))
+        return RowGrads(b, grad, src, scale, d=d, defer=d is not None and self.defer_nonfinite)
+
+    def _defer(self, rg: RowGrads, tables: list[int], what: str) -> None:
+        """Remember the device-side finiteness flag of an update just applied (masked):
+        copied to pinned memory without waiting, read by :meth:`_check_deferred`."""
+        if rg.ok is None:
+            return
+        flag = torch.empty((), dtype=torch.bool, pin_memory=rg.ok.is_cuda)
+        flag.copy_(rg.ok, non_blocking=True)
+        self._nonfinite.append((self._copies.event(), flag, list(tables), what))
+
+    def _check_deferred(self, raise_: bool = True) -> None:
+        """Read the finiteness flags of earlier updates (waiting for them if the device has
+        not got there yet: the previous update's work, normally done).  An update whose
+        gradients were not finite changed no row (it was masked on the device); its
+        tables' step counts are rolled back here and :class:`NonFiniteGradientError` is
+        raised (before the caller changes anything)."""
+        bad = []
+        while self._nonfinite:
+            ev, flag, tables, what = self._nonfinite.pop(0)
+            inherent_wait(ev, "nonfinite_flag")
+            if not bool(flag):
+                for ti in tables:
+                    self._steps[ti] -= 1
+                bad.append(what)
+        if bad and raise_:
+            raise NonFiniteGradientError(
+                f"{bad[0]} of an earlier update contained NaN or inf (or their per-row sums overflow): that "
+                f"update changed no row and its step is undone; on {self.device} the check runs on the device "
+                "and is reported at the next update or flush (this call changed nothing)")
 
     @property
     def data_plane(self) -> str:
@@ -710,14 +938,15 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             p = self._place(b, account=False)
             self._steps[ti] += 1
             dim = self.tables[ti].dim
-            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel(), device=self.device))
+            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel()))
+            order = order.to(self.device)
             g, st = grads.index_select(0, order), row_stat.index_select(0, order)  # in b.k order
-            for tier, slots, idx in self._parts(p):
+            for tier, slots, idx, cslots in self._parts(p):
                 gi = g if idx is None else g.index_select(0, idx).to(tier.device)
                 si = st if idx is None else st.index_select(0, idx).to(tier.device)
                 self.optimizer.apply_slots_with_row_stat(tier.data, slots, gi, dim, self.widths[ti],
                                                          self._steps[ti], si)
-                tier.dirty[slots.cpu()] = True
+                tier.dirty[cslots] = True
             self.counters.add_io(IO.UPDATES, 1)
             self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -737,14 +966,16 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             b = self._batch(ti, ids)
             p = self._place(b, account=False)
             dim, w = self.tables[ti].dim, self.widths[ti]
-            rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32, device=self.device)
-            rec[:, :dim] = values.index_select(0, b.lastpos)
+            rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32)
+            rec[:, :dim] = values.cpu().index_select(0, b.lastpos)
             self._scatter(p, rec)
 
     def flush(self) -> None:
         """Write every dirty row to LMDB in one transaction and sync it to disk."""
         with self._lock:
             self._check_open()
+            self._check_deferred()
+            self._settle_host()
             parts = []
             for tier in (self._dev, self._host):
                 s = tier.dirty.nonzero().squeeze(1)
@@ -770,6 +1001,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 return
             try:
                 self.stop_recording()
+                self._check_deferred(raise_=False)  # a refused update's step undone; nothing to raise into
                 self.flush()
             finally:
                 self._closed = True

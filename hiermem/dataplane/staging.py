@@ -126,7 +126,7 @@ class Stager:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.ring = PinnedRing(pinned=self.cuda)
-        self.copies = 0  # host-to-device copies made (one per send on CUDA)
+        self.copies = 0  # packed sends: one host-to-device copy each on CUDA
 
     def send(self, arrays: Sequence[np.ndarray | None], pack: bool = True,
              streams: Sequence = ()) -> list[torch.Tensor | None]:
@@ -135,11 +135,11 @@ class Stager:
         offs, nbytes = layout(arrays)
         host = self.ring.take(nbytes)
         pack_into(host, arrays, offs)
+        self.copies += 1
         if not self.cuda:
             return views(host.clone(), arrays, offs)  # the ring's buffer is reused next send
         dev = host.to(self.device, non_blocking=True)
         self.ring.done(host)
-        self.copies += 1
         for s in streams:
             dev.record_stream(s)
         return views(dev, arrays, offs)

@@ -105,7 +105,7 @@ def test_cuda_bags_across_tiers_match_the_cpu_store(tmp_path, mode, opt):
                                        rtol=1e-5)
     for s in stores:
         s.close()
-    print("waits", dict(staging.WAITS))
+    print("waits", dict(staging.WAITS) or "{}")
 
 
 def _module_steps(module, batches, read_loss=False):
@@ -180,3 +180,23 @@ def test_cuda_nonfinite_gradients_change_nothing_and_are_reported_next(tmp_path)
     assert store._steps == [0]
     torch.testing.assert_close(store.lookup("a", ids), before)
     store.close()
+
+
+# -- the model-based exactness machine of tests/test_store_exact.py on a CUDA store -----
+
+def _cuda_machines():
+    from hypothesis import HealthCheck, settings
+
+    from test_store_exact import StoreMachine
+
+    out = {}
+    for opt in (hm.SGD(lr=0.3), hm.Adam(lr=0.05)):
+        cls = type(f"CudaStoreMachine_{opt.name}", (StoreMachine,), {"optimizer": opt, "policy": "lru",
+                                                                    "device": "cuda"})
+        cls.TestCase.settings = settings(max_examples=8, stateful_step_count=25, deadline=None,
+                                         suppress_health_check=list(HealthCheck))
+        out[f"Test{cls.__name__}"] = pytest.mark.gpu(cls.TestCase)
+    return out
+
+
+globals().update(_cuda_machines())

@@ -277,7 +277,7 @@ class BatchedOps:
         return self._disk.read_ahead(groups, token, keep=keep)
 
     def _pin(self, p, delta: int) -> None:
-        for tier, slots, _ in self._parts(p):
+        for tier, _, _, slots in self._parts(p):  # the CPU slots: pins are control-plane state
             tier.pin(slots, delta)
 
     def prefetch(self, tables: torch.Tensor, ids: torch.Tensor) -> Ticket:

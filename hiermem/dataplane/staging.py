@@ -149,8 +149,9 @@ class CopyStream:
     """The store's side stream for row copies (CUDA); every method a no-op on the CPU.
 
     ``with cs:`` runs its body on the side stream after everything already queued on
-    the current (compute) stream; on leaving, the compute stream waits for the copies
-    (a device-side wait: the host does not block).
+    the current stream (and on the default stream, when called from a thread on another
+    stream, e.g. the prefetch pipeline's); on leaving, the current stream waits for the
+    copies (a device-side wait: the host does not block).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -163,6 +164,10 @@ class CopyStream:
         if self.stream is not None:
             self._outer = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(self._outer)
+            default = torch.cuda.default_stream(self.device)
+            if default != self._outer:  # a prefetch thread's stream: the training loop's queued
+                # kernels (on the default stream) may still read a slot this plan overwrites
+                self.stream.wait_stream(default)
             self._ctx = torch.cuda.stream(self.stream)
             self._ctx.__enter__()
         return self

@@ -835,7 +835,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._check_deferred()
         memo = self._memo_for(ti, ids_in)
         b, p = memo if memo is not None else (self._batch(ti, ids), None)
-        rg = self._row_grads(b, p, grads, src, scale)
+        # the bags of this call's offsets (the memo matched the ids only): staged afresh
+        rg = self._row_grads(b, p, grads, src, scale, reuse_bags=False)
         what = f"grads of table {self.tables[ti].name}"
         # every row's gradient is checked before anything changes
         self.plane.check(rg, what)
@@ -848,16 +849,21 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
     def _row_grads(self, b: Batch, p: Placement | None, grad: torch.Tensor, src: torch.Tensor | None = None,
-                   scale: torch.Tensor | None = None) -> RowGrads:
+                   scale: torch.Tensor | None = None, reuse_bags: bool = True) -> RowGrads:
         """The per-row gradients of batch ``b`` (placed at ``p``, or None), with the batch's
         control arrays staged on the device (the placement's when they are there, else
-        staged now: one copy) when the store stages."""
+        staged now: one copy) when the store stages.  ``reuse_bags``: ``src``/``scale``
+        are the ones staged with ``p`` (the same call's lookup), if any were."""
         grad = grad.to(torch.float32).contiguous()
         d = None
         if self._staging and b.perm is not None:
             d = p.dev if p is not None else None
-            want = {"perm", "starts"} | ({"src"} if src is not None else set())
-            if d is None or not want <= d.has:
+            want = {"perm", "starts"}
+            if src is not None:
+                want.add("src")
+            if scale is not None and scale.device.type == "cpu":
+                want.add("scale")
+            if d is None or not want <= d.has or (src is not None and not reuse_bags):
                 d = self._stage(b, None, self._extras(b, None, src, scale))
         return RowGrads(b, grad, src, scale, d=d, defer=d is not None and self.defer_nonfinite)
 

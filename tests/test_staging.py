@@ -182,3 +182,31 @@ def test_deferred_check_undoes_the_step_count(tmp_path):
     assert again._steps == [2]
     torch.testing.assert_close(again.lookup("a", ids), ref.lookup("a", ids), atol=1e-6, rtol=1e-5)
     again.close()
+
+
+def test_deferred_check_keeps_the_pooled_nonfinite_contract(tmp_path):
+    """test_dataplane's NaN/inf/overflow cases, deferred: each refused update changes no
+    row and is reported by the next store call that reads the flag (here a flush); NaN
+    in an empty bag's gradient reaches no row and is no error.  (Unlike the immediate
+    check, the refused update's rows were marked dirty: written down unchanged.)"""
+    store = hm.HierarchicalStore([hm.TableSpec("t", 20, 4)], hm.StoreConfig(path=tmp_path / "s", device_rows=20,
+                                                                           host_rows=4, optimizer=hm.SGD(lr=0.1)))
+    store.data_plane = "torch"
+    store.defer_nonfinite = True
+    ids, offsets = torch.tensor([1, 2, 2, 3]), torch.tensor([0, 2, 2])
+    every = torch.arange(20)
+    before = store.lookup("t", every).clone()
+    nan, inf, big = torch.ones(3, 4), torch.ones(3, 4), torch.full((3, 4), 3e38)
+    nan[0, 1], inf[2, 3] = float("nan"), float("inf")
+    for g, psw in ((nan, None), (inf, None), (big, None), (torch.ones(3, 4), torch.tensor([1, 1, np.inf, 1.]))):
+        store.update_pooled("t", ids, offsets, g, per_sample_weights=psw)  # masked, not raised yet
+        with pytest.raises(hm.NonFiniteGradientError, match="earlier update"):
+            store.flush()
+        torch.testing.assert_close(store.lookup("t", every), before, atol=0, rtol=0)
+    assert store._steps == [0]
+    g = torch.ones(3, 4)
+    g[1] = float("nan")  # bag 1 is empty
+    store.update_pooled("t", ids, offsets, g)
+    store.flush()
+    assert bool(torch.isfinite(store.export("t")[1]).all()) and store._steps == [1]
+    store.close()

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .dataplane import RowGrads
 from .dataplane.batch import bag_of, first_bad, offsets_bad, tables_present
 from .dataplane.staging import to_host
 from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError

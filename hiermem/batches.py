@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +18,13 @@ from .dataplane.batch import sorted_runs
 
 @dataclass
 class Placement:
-    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`."""
+    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`
+    (CPU tensors: the control plane's answer)."""
 
     on_device: torch.Tensor | None  # bool [U] (None: all on device)
     slot: torch.Tensor  # int64 [U], a slot of the device or host tier
     was_on_device: torch.Tensor | None = None  # bool [U]: on the device before the resolve (None: all)
+    dev: SimpleNamespace | None = None  # the same on the store's device, staged (HierarchicalStore._stage)
 
 
 @dataclass
@@ -47,15 +50,21 @@ class Batch:
         input order, as ``index_add_`` would add them.
         """
         src = src.detach()
+        dd = src.device  # the batch's own tensors are on the CPU (copied here when src is not)
+        if index is not None:
+            index = index.to(dd)
+        if weights is not None:
+            weights = weights.detach().to(dd)
         if self.perm is None:  # a batch built without its sort (a sub-batch)
             rows = src if index is None else src.index_select(0, index)
             if weights is not None:
                 rows = rows * weights.unsqueeze(1)
-            out = torch.zeros((self.k.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
-            return out.index_add_(0, self.inverse, rows)
-        idx = self.perm if index is None else index.index_select(0, self.perm)
-        w = None if weights is None else weights.detach().to(src.dtype).index_select(0, self.perm)
-        return F.embedding_bag(idx, src, self.starts, mode="sum", per_sample_weights=w)
+            out = torch.zeros((self.k.numel(), src.shape[1]), dtype=src.dtype, device=dd)
+            return out.index_add_(0, self.inverse.to(dd), rows)
+        perm = self.perm.to(dd)
+        idx = perm if index is None else index.index_select(0, perm)
+        w = None if weights is None else weights.to(src.dtype).index_select(0, perm)
+        return F.embedding_bag(idx, src, self.starts.to(dd), mode="sum", per_sample_weights=w)
 
 
 def dedup(x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -324,7 +324,7 @@ class Checkpointing:
             w = self.widths[ti]
             if not isinstance(records, torch.Tensor) or tuple(records.shape) != (ids.numel(), w):
                 raise InvalidArgumentError(f"records of table {table} must have shape {(ids.numel(), w)}")
-            rec = records.detach().to(self.device, torch.float32)
+            rec = records.detach().to("cpu", torch.float32)  # indexed by the batch's CPU tensors
             if ids.numel() and not bool(torch.isfinite(rec).all()):
                 raise NonFiniteGradientError(f"records of table {table} contain NaN or inf; nothing changed")
             if ids.numel() == 0:

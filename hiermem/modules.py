@@ -285,10 +285,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         f = self._features(features)
         dev = self.store.device
         B, T = f.batch_size, len(f.keys)
-        ids = f.values.to(dev, torch.int64)
-        tables = self.id_tables(f).to(dev)
-        offsets = f.offsets()[:-1].to(dev)
-        weights = None if f.weights is None or not self._layout.weighted else f.weights.to(dev, torch.float32)
+        # ids, tables and offsets are the control plane's: the store reads them on the CPU,
+        # so they stay where the loader put them (moving CPU ids to a GPU would only make
+        # the store copy them back, and wait for it)
+        ids = f.values.to(torch.int64)
+        tables = self.id_tables(f)
+        offsets = f.offsets()[:-1]
+        weights = None if f.weights is None or not self._layout.weighted else \
+            f.weights.to(dev, torch.float32, non_blocking=True)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
         pooled = _PooledLookup.apply(anchor, self, tables, ids, offsets, weights, pending)
         if pending is not None and not pooled.requires_grad:  # no backward will run: unpin now

@@ -118,7 +118,7 @@ class ReadOnlyStore:
         return validate.table_index(self._index, table)
 
     def _ids(self, ti: int, ids) -> torch.Tensor:
-        return validate.check_ids(self.tables[ti], ids, self.device)
+        return validate.check_ids(self.tables[ti], ids)
 
     def _check_open(self) -> None:
         if self._closed:

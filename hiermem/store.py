@@ -37,9 +37,11 @@ from .overlap import resolve_write_behind
 from .core import plan as _plan
 from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
-from .dataplane import DataPlane, RowGrads, default_plane, plane_named
+from .dataplane import DataPlane, default_plane, plane_named
+from .dataplane.staging import CopyStream, PinnedRing, Stager, to_host
 from .batches import Batch, Placement, dedup
 from .batched import BatchedOps
+from .staged import StagedOps
 from . import locks, validate
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
@@ -50,7 +52,7 @@ from .types import StoreConfig, TableSpec, Tier
 from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS  # noqa: E402
 
 
-class HierarchicalStore(BatchedOps, Checkpointing):
+class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
     """Embedding tables over device, host and disk tiers.
 
     Args:
@@ -110,6 +112,16 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
+        # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
+        # in one copy, rows moved on a side stream, evictions landing in the host tier lazily
+        self._stager = Stager(self.device)
+        self._copies = CopyStream(self.device)
+        self._rows_ring = PinnedRing(pinned=self.device.type == "cuda", dtype=torch.float32)
+        self._pending_down: list[tuple] = []  # (event, pinned rows, host slots) not yet in the host tier
+        self._nonfinite: list[tuple] = []  # (event, pinned flag, tables, what) of updates checked on the device
+        #: check gradients for NaN/inf on the device, masking the update and raising at the
+        #: next update or flush, instead of a host sync per update (CUDA; see docs/dataplane.md)
+        self.defer_nonfinite = self.device.type == "cuda"
         self.plane: DataPlane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.counters = Counters(len(tables))
@@ -280,7 +292,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         return validate.table_index(self._index, table)
 
     def _ids(self, ti: int, ids) -> torch.Tensor:
-        return validate.check_ids(self.tables[ti], ids, self.device)
+        return validate.check_ids(self.tables[ti], ids)
 
     def _values(self, ti: int, n: int, values, what: str, check_finite: bool = True) -> torch.Tensor:
         dim = self.tables[ti].dim
@@ -338,13 +350,14 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)
         return nbytes
 
-    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool) -> Placement:
+    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool, extra: dict | None = None) -> Placement:
         """Make every row of ``b`` resident (device first, host when the device is full).
 
         The control plane decides (:func:`hiermem.core.plan.decide`), then the I/O that may
         fail runs (LMDB read of the rows from disk, write-back of dirty victims), so an
         error leaves the store as it was; then the plan is committed and the data plane
-        copies the records it names.
+        copies the records it names.  ``extra``: the step's own control arrays (see
+        :meth:`_extras`), staged to the device in the same copy as the plan's.
         """
         bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
         U = bk.size
@@ -375,30 +388,43 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock_np, counts_np,
                      account, ws, res, self.counters.table.numpy())
         if M == 0:
-            return Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()).to(self.device))
+            p = Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()))
+            if self._staging:
+                p.dev = self._stage(b, p, extra)
+            return p
         self._epoch += 1
         self._memo = None
-        self._copy_plan(ws, res, rec_disk)
         slot = torch.from_numpy(ws[_plan.SLOT, :U].copy())
         ondev = torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
         was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
-        all_dev = bool(ondev.all())
-        return Placement(None if all_dev else ondev.to(self.device), slot.to(self.device), was_dev.to(self.device))
+        p = Placement(None if bool(ondev.all()) else ondev, slot, was_dev)
+        if self._staging:
+            self._move_staged(ws, res, rec_disk, p, b, extra)
+        else:
+            self._copy_plan(ws, res, rec_disk)
+        return p
 
     def _write_back(self, wb: np.ndarray) -> None:
-        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused."""
+        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused.
+
+        On CUDA, reading the device victims is an inherent sync: the CPU writes LMDB."""
         parts = []
         for tier, slots in by_tier(wb, self._dev, self._host):
             if slots.size:
                 s = torch.from_numpy(slots)
-                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s),
-                              tier.data.index_select(0, s.to(tier.device)).cpu()))
+                if tier is self._host:
+                    self._settle_host()
+                    rec = tier.data.index_select(0, s)
+                else:
+                    rec = to_host(tier.data.index_select(0, s.to(tier.device, non_blocking=True)), "evict_to_disk")
+                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s), rec))
         t, k, rec = (torch.cat([p[i] for p in parts]) for i in range(3))
         self._write_down(Rows(t, k, rec, torch.ones(t.numel(), dtype=torch.bool)))
 
     def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
-        """The data plane of a committed plan: records host -> device, device -> host
-        (gathered before either side is overwritten), then disk records into place."""
+        """The data plane of a committed plan on a CPU store: records host -> device,
+        device -> host (gathered before either side is overwritten), then disk records
+        into place (:meth:`_move_staged` is the staged form, CUDA's)."""
         dev, host, dd = self._dev, self._host, self.device
         nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
         up = down = None
@@ -410,25 +436,27 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             dev.data.index_copy_(0, torch.from_numpy(ws[_plan.UP_DST, :nu].copy()).to(dd), up)
         if nd:
             host.data.index_copy_(0, torch.from_numpy(ws[_plan.DN_DST, :nd].copy()), down)
-        w = self.width * 4
-        nb = int(res[_plan.NB])
-        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
-        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
+        self._count_moves(nu, nd, int(res[_plan.NB]))
         if rec_disk is None:
             return
-        n = rec_disk.shape[0]
+        n, nb = rec_disk.shape[0], int(res[_plan.NB])
         dst = torch.from_numpy(ws[_plan.NEW_DST, :n].copy())
         if nb:
             dev.data.index_copy_(0, dst[:nb].to(dd), rec_disk[:nb].to(dd))
         if n > nb:
             host.data.index_copy_(0, dst[nb:] - host.base, rec_disk[nb:])
 
-    def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
+    def _count_moves(self, nu: int, nd: int, nb: int) -> None:
+        w = self.width * 4
+        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
+        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
+
+    def _place(self, b: Batch, account: bool, record: bool = True, extra: dict | None = None) -> Placement:
         if not account:
-            return self._resolve(b, torch.full_like(b.k, self._clock), False)
+            return self._resolve(b, torch.full_like(b.k, self._clock), False, extra)
         if self._soon is not None:  # a lookahead policy learns which resident rows come back soon
             self._mark_soon()
-        p = self._resolve(b, b.lastpos + self._clock, True)
+        p = self._resolve(b, b.lastpos + self._clock, True, extra)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
         if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
             self._recorder.record(b)
@@ -436,36 +464,57 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
     def _gather(self, p: Placement, cols: int) -> torch.Tensor:
         """Records ``[U, cols]`` on the device of a placement's rows."""
-        dev = self._dev
+        dev, d = self._dev, p.dev
         if p.on_device is None:
             src = dev.data if cols == dev.width else dev.data[:, :cols]
-            return src.index_select(0, p.slot)
+            return src.index_select(0, p.slot if d is None else d.slot)
         out = torch.empty((p.slot.numel(), cols), dtype=torch.float32, device=self.device)
-        di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
-        out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
-        out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi].cpu()).to(self.device)
+        self._settle_host()
+        if d is None:
+            di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
+            out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
+            out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi])
+            return out
+        # the host rows: gathered on the CPU into pinned memory, one copy up
+        rows = self._rows_ring.take(d.host_slot.numel() * cols).view(-1, cols)
+        torch.index_select(self._host.data[:, :cols], 0, d.host_slot, out=rows)
+        out.index_copy_(0, d.dev_idx, dev.data[:, :cols].index_select(0, d.dev_slot))
+        out.index_copy_(0, d.host_idx, rows.to(self.device, non_blocking=True))
+        self._rows_ring.done(rows)
         return out
 
     def _parts(self, p: Placement):
-        """``(tier, slots, idx)`` per tier holding rows of ``p``; ``idx`` picks the rows of
-        the batch in that tier (None: all of them, on the device)."""
+        """``(tier, slots, idx, cpu_slots)`` per tier holding rows of ``p``: ``slots`` on the
+        tier's device, ``idx`` the rows of the batch in that tier, on the store's device
+        (None: all of them, on the device), ``cpu_slots`` the slots on the CPU."""
+        d = p.dev
         if p.on_device is None:
-            return [(self._dev, p.slot, None)]
+            return [(self._dev, p.slot if d is None else d.slot, None, p.slot)]
         out = []
+        if d is not None:
+            if d.dev_idx.numel():
+                out.append((self._dev, d.dev_slot, d.dev_idx, d.dev_slot_cpu))
+            if d.host_idx.numel():
+                self._settle_host()
+                out.append((self._host, d.host_slot, d.host_idx, d.host_slot))
+            return out
         for tier, mask in ((self._dev, p.on_device), (self._host, ~p.on_device)):
             idx = mask.nonzero().squeeze(1)
             if idx.numel():
-                out.append((tier, p.slot.index_select(0, idx).to(tier.device), idx))
+                if tier is self._host:
+                    self._settle_host()
+                cs = p.slot.index_select(0, idx)
+                out.append((tier, cs.to(tier.device), idx.to(self.device), cs))
         return out
 
     def _scatter(self, p: Placement, rec: torch.Tensor) -> None:
         """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
         w = rec.shape[1]
-        for tier, slots, idx in self._parts(p):
-            r = rec if idx is None else rec.index_select(0, idx).to(tier.device)
+        for tier, slots, idx, cslots in self._parts(p):
+            r = rec if idx is None else rec.index_select(0, idx.to(rec.device))
             dst = tier.data if w == tier.width else tier.data[:, :w]
-            dst.index_copy_(0, slots, r)
-            tier.dirty[slots.cpu()] = True
+            dst.index_copy_(0, slots, r.to(tier.device))
+            tier.dirty[cslots] = True
 
     # -- public API -----------------------------------------------------------------
     @timed("lookup_seconds")
@@ -482,21 +531,24 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         with self._lock:
             self._check_open()
             ti = self.table_index(table)
+            ids_in = ids
             ids = self._ids(ti, ids)
             dim = self.tables[ti].dim
             if ids.numel() == 0:
                 return torch.empty((0, dim), dtype=torch.float32, device=self.device)
             b = self._batch(ti, ids)
-            p = self._place(b, account=True)
-            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            p = self._place(b, account=True, extra=self._extras(b))
+            # keyed by the caller's tensor (ids of a CUDA caller were copied to the CPU)
+            self._memo = (ids_in, ids_in._version, b, p, self._epoch, ti)
             return self._rows(p, b, dim)
 
     def _rows(self, p: Placement, b: Batch, dim: int) -> torch.Tensor:
         """Rows ``[n, dim]`` of every id of the batch (one gather when all are on device)."""
+        d = p.dev
         if p.on_device is None:
             src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
-            return src.index_select(0, p.slot.index_select(0, b.inverse))
-        return self._gather(p, dim).index_select(0, b.inverse)
+            return src.index_select(0, p.slot.index_select(0, b.inverse) if d is None else d.ids_slot)
+        return self._gather(p, dim).index_select(0, b.inverse if d is None else d.inverse)
 
     def _memo_for(self, ti: int, ids) -> tuple[Batch, Placement] | None:
         """The last lookup's batch and placement, if ``ids`` is that lookup's unchanged
@@ -528,15 +580,19 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         ``grads[src[j]] * scale[j]`` (``grads[j]`` when ``src`` is None) to its row."""
         if ids.numel() == 0:
             return
+        self._check_deferred()
         memo = self._memo_for(ti, ids_in)
         b, p = memo if memo is not None else (self._batch(ti, ids), None)
-        rg = RowGrads(b, grads.to(torch.float32).contiguous(), src, scale)
+        # the bags of this call's offsets (the memo matched the ids only): staged afresh
+        rg = self._row_grads(b, p, grads, src, scale, reuse_bags=False)
+        what = f"grads of table {self.tables[ti].name}"
         # every row's gradient is checked before anything changes
-        self.plane.check(rg, f"grads of table {self.tables[ti].name}")
+        self.plane.check(rg, what)
         if p is None:
             p = self._place(b, account=False)
         self._steps[ti] += 1
         self.plane.apply(self, rg, p, [ti])
+        self._defer(rg, [ti], what)
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -625,14 +681,15 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             p = self._place(b, account=False)
             self._steps[ti] += 1
             dim = self.tables[ti].dim
-            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel(), device=self.device))
+            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel()))
+            order = order.to(self.device)
             g, st = grads.index_select(0, order), row_stat.index_select(0, order)  # in b.k order
-            for tier, slots, idx in self._parts(p):
+            for tier, slots, idx, cslots in self._parts(p):
                 gi = g if idx is None else g.index_select(0, idx).to(tier.device)
                 si = st if idx is None else st.index_select(0, idx).to(tier.device)
                 self.optimizer.apply_slots_with_row_stat(tier.data, slots, gi, dim, self.widths[ti],
                                                          self._steps[ti], si)
-                tier.dirty[slots.cpu()] = True
+                tier.dirty[cslots] = True
             self.counters.add_io(IO.UPDATES, 1)
             self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -652,14 +709,16 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             b = self._batch(ti, ids)
             p = self._place(b, account=False)
             dim, w = self.tables[ti].dim, self.widths[ti]
-            rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32, device=self.device)
-            rec[:, :dim] = values.index_select(0, b.lastpos)
+            rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32)
+            rec[:, :dim] = values.cpu().index_select(0, b.lastpos)
             self._scatter(p, rec)
 
     def flush(self) -> None:
         """Write every dirty row to LMDB in one transaction and sync it to disk."""
         with self._lock:
             self._check_open()
+            self._check_deferred()
+            self._settle_host()
             parts = []
             for tier in (self._dev, self._host):
                 s = tier.dirty.nonzero().squeeze(1)
@@ -685,6 +744,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 return
             try:
                 self.stop_recording()
+                self._check_deferred(raise_=False)  # a refused update's step undone; nothing to raise into
                 self.flush()
             finally:
                 self._closed = True

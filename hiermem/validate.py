@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from .dataplane.batch import minmax
+from .dataplane.staging import to_host
 from .errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, UnknownTableError
 from .types import TableSpec
 
@@ -25,8 +26,10 @@ def table_index(index: dict[str, int], table: str) -> int:
         raise UnknownTableError(f"unknown table {table!r}; tables are {list(index)}") from None
 
 
-def check_ids(spec: TableSpec, ids, device: torch.device) -> torch.Tensor:
-    """``ids`` of table ``spec`` (a 1-D integer tensor or numpy array) as int64 on ``device``.
+def check_ids(spec: TableSpec, ids) -> torch.Tensor:
+    """``ids`` of table ``spec`` (a 1-D integer tensor or numpy array) as int64 on the CPU,
+    where the control plane reads them (the one inherent device-to-host copy of a step
+    when the caller's ids are on a GPU).
 
     Raises:
         InvalidTypeError: not a tensor or array, or not integers.
@@ -45,9 +48,9 @@ def check_ids(spec: TableSpec, ids, device: torch.device) -> torch.Tensor:
         raise InvalidTypeError(f"ids must have an integer dtype, got {ids.dtype}")
     if ids.dim() != 1:
         raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-    ids = ids.to(device, torch.int64)
+    ids = to_host(ids, "ids").to(torch.int64)
     if ids.numel():
-        lo, hi = minmax(ids.contiguous().numpy()) if ids.device.type == "cpu" else (int(ids.min()), int(ids.max()))
+        lo, hi = minmax(ids.contiguous().numpy())
         if lo < 0 or hi > spec.max_id:
             bad = lo if lo < 0 else hi
             rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"

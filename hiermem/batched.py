@@ -433,7 +433,7 @@ class BatchedOps:
             b = self._batch(ti, ids)
             extra = self._extras(b, offsets, bag, scale)
             p = self._place(b, account=True, extra=extra)
-            self._memo = (ids_in, ids_in._version, b, p, self._epoch, ti)
+            self._memo = self._memo_of(ids_in, ids, b, p, ti)
             return self.plane.pool(self, p, b.inverse, offsets, ids.numel(), dim, mode,
                                    None if per_sample_weights is None else scale)
 

@@ -539,7 +539,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             b = self._batch(ti, ids)
             p = self._place(b, account=True, extra=self._extras(b))
             # keyed by the caller's tensor (ids of a CUDA caller were copied to the CPU)
-            self._memo = (ids_in, ids_in._version, b, p, self._epoch, ti)
+            self._memo = self._memo_of(ids_in, ids, b, p, ti)
             return self._rows(p, b, dim)
 
     def _rows(self, p: Placement, b: Batch, dim: int) -> torch.Tensor:
@@ -550,11 +550,19 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             return src.index_select(0, p.slot.index_select(0, b.inverse) if d is None else d.ids_slot)
         return self._gather(p, dim).index_select(0, b.inverse if d is None else d.inverse)
 
+    def _memo_of(self, ids_in, ids: torch.Tensor, b: Batch, p: Placement, ti: int) -> tuple:
+        """A lookup's memo for the update that follows it: keyed by the caller's tensor
+        (ids of a CUDA caller were copied to the CPU; a numpy array, converted, keys nothing
+        an update could pass again)."""
+        key = ids_in if isinstance(ids_in, torch.Tensor) else ids
+        return key, key._version, b, p, self._epoch, ti
+
     def _memo_for(self, ti: int, ids) -> tuple[Batch, Placement] | None:
         """The last lookup's batch and placement, if ``ids`` is that lookup's unchanged
         tensor of the same table and no row has changed tier since."""
         m = self._memo
-        if m is not None and m[0] is ids and m[1] == ids._version and m[4] == self._epoch and m[5] == ti:
+        if (m is not None and m[0] is ids and isinstance(ids, torch.Tensor) and m[1] == ids._version
+                and m[4] == self._epoch and m[5] == ti):
             return m[2], m[3]
         return None
 

@@ -263,11 +263,13 @@ def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slot
 
 
 @leaf
-def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, extra, rm, hk, hs,
-                  n, dst, ws, wsf, j0):
+def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, params, extra, rm, hk,
+                  hs, n, dst, ws, wsf, j0, use, pos, clock, counts):
     """Put the rows saved in columns ``j0..j0+n`` into the next ``n`` free slots (written to
     ``dst``), re-pointing their index entries (:func:`set_key` and :func:`repoint1`
-    written out: the hot path of a swap)."""
+    written out: the hot path of a swap).  ``use``: row ``j`` is then used by batch row
+    ``pos[j]`` (:func:`touch`, fused: its carried key is never entered in the victim
+    search, where it would only lie stale until a later search pops it)."""
     tm[NFREE] -= n  # the last n pushed, in push order
     fb = tm[NFREE]
     base = tm[BASE]
@@ -289,7 +291,11 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
             score[d] = wsf[c]
             uses[d] = ws[SV_USES, c]
         k = ws[SV_KEY, c]
-        if valid and k <= tau:
+        if use:
+            key[d] = k
+            i = pos[j]
+            touch(key, score, uses, params, rm, hk, hs, d, clock[i], counts[i], False)
+        elif valid and k <= tau:
             set_key(key, rm, hk, hs, d, k)
             valid = rm[0] != 0
         else:
@@ -397,11 +403,14 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
         _evict_many(meta, slot_of, rev, tab, dkt, ddirty, dpins, dfree, dtm, vd, n_skip, counters, np.int64(_DEV))
     # rows changing tier keep their index entries; saved before any slot is reused
     up_src, up_dst, dn_src, dn_dst = ws[UP_SRC], ws[UP_DST], ws[DN_SRC], ws[DN_DST]
+    pa = ws[WB]  # scratch (the write-back is done): the batch positions of the rows coming up
     na = np.int64(0)
     for j in range(n_move):
-        gi = g[mi[j]]
+        i = mi[j]
+        gi = g[i]
         if gi >= D:
             up_src[na] = gi - Hb
+            pa[na] = i
             na += 1
     nd = n_vd - n_skip
     for j in range(nd):
@@ -417,14 +426,14 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
     if nd:
         _save_many(rev, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, dn_src, nd, ws, wsf, na)
     if na:
-        _restore_many(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, extra, drm,
-                      dhk, dhs, na, up_dst, ws, wsf, np.int64(0))
+        _restore_many(meta, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams, extra,
+                      drm, dhk, dhs, na, up_dst, ws, wsf, np.int64(0), account, pa, clock, counts)
     if nd:
-        _restore_many(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, hrm,
-                      hhk, hhs, nd, dn_dst, ws, wsf, na)
+        _restore_many(meta, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, hparams, extra,
+                      hrm, hhk, hhs, nd, dn_dst, ws, wsf, na, False, pa, clock, counts)
     res[N_UP], res[N_DN] = na, nd
     # where each miss lands; rows from disk in disk order (device ones first)
-    pa, pb, pc, pe = ws[WB], ws[SV_T], ws[SV_K], ws[SV_DIRTY]  # scratch (saved rows are placed)
+    pb, pc, pe = ws[SV_T], ws[SV_K], ws[SV_DIRTY]  # scratch (saved rows are placed)
     sl = ws[SV_PINS]
     ja = jb = jc = je = np.int64(0)
     for j in range(m):
@@ -434,7 +443,6 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
             ondev[i] = 1
             if g[i] >= D:
                 slot[i] = up_dst[ja]
-                pa[ja] = i
                 ja += 1
             else:
                 pb[jb] = i
@@ -450,8 +458,6 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
                 pe[je] = i
                 je += 1
     new_dst = ws[NEW_DST]
-    if account and ja:
-        _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, up_dst, pa, ja, clock, counts, False)
     if jb == 1:  # a per-access trace's miss: no call
         i = pb[0]
         dtm[NFREE] -= 1

@@ -16,6 +16,7 @@ import numpy as np
 from .index import find1
 from .jit import kernel, leaf
 from .policy import touch
+from .victims import _sort_pairs
 from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_,
                    decide_)
 
@@ -111,32 +112,40 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
 
 
 @kernel
-def _dedup(rows, a, b, table_of_row, row_base, stamp, pos, i, c0, scratch):
+def _dedup(rows, a, b, table_of_row, row_base, tag, i, c0, scratch):
     """The distinct rows of batch ``i`` (``rows[a:b]``) in ascending dense row order, i.e.
     ``(table, id)`` order, as the store's stable sort gives them: ``scratch[0..3, :u]`` =
-    table, id, clock of the last occurrence, count; returns ``u``.  ``stamp``/``pos``
-    (int64 per dense row): the last batch that saw each row, and its place in this one.
-    O(ids) plus a sort of the distinct rows (a stable argsort of all ids took 7x longer)."""
+    table, id, clock of the last occurrence, count; returns ``u``.  ``tag`` (int64 per
+    dense row): ``i << 32 | q`` once batch ``i`` saw the row, ``q`` its first-seen place.
+    One pass over the ids (counts and last clocks by first-seen place: one array probed
+    per id), then a radix sort of the distinct rows only (numba's ``np.sort`` of 22k rows
+    took 1.2 ms, the radix sort 0.2; the dedup was half the batched replay's time)."""
     bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
+    rk, qq, cnt, last = scratch[4], scratch[5], scratch[6], scratch[7]
     u = np.int64(0)
+    hi = np.int64(i) << 32
     for j in range(a, b):
         r = rows[j]
-        if stamp[r] != i:
-            stamp[r] = i
-            bk[u] = r
+        tg = tag[r]
+        if tg >> 32 != i:
+            tg = hi | u
+            tag[r] = tg
+            rk[u] = r
+            qq[u] = u
+            cnt[u] = 0
             u += 1
-    srt = np.sort(bk[:u])
+        q = tg & 0xFFFFFFFF
+        cnt[q] += 1
+        last[q] = c0 + (j - a)  # the last occurrence's
+    _sort_pairs(rk, qq, u)  # distinct rows ascending, with their first-seen places
     for p in range(u):
-        r = srt[p]
-        pos[r] = p
+        r = rk[p]
+        q = qq[p]
         t = table_of_row[r]
         bt[p] = t
         bk[p] = r - row_base[t]
-        counts[p] = 0
-    for j in range(a, b):
-        p = pos[rows[j]]
-        counts[p] += 1
-        clock[p] = c0 + (j - a)  # the last occurrence's
+        counts[p] = cnt[q]
+        clock[p] = last[q]
     return u
 
 
@@ -155,10 +164,9 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
     nmax = np.int64(1)
     for i in range(offsets.size - 1):
         nmax = max(nmax, offsets[i + 1] - offsets[i])
-    scratch = np.empty((4, nmax), dtype=np.int64)  # a batch's distinct rows: table, id, clock, count
+    scratch = np.empty((8, nmax), dtype=np.int64)  # a batch's distinct rows: table, id, clock, count; + dedup's
     nr = table_of_row.size if nmax > 1 else 1
-    stamp = np.full(nr, -1, dtype=np.int64)
-    pos = np.empty(nr, dtype=np.int64)
+    tag = np.full(nr, -1, dtype=np.int64)
     i = np.int64(0)
     c0 = np.int64(clock0)
     nb = offsets.size - 1
@@ -166,7 +174,7 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
         a, b = offsets[i], offsets[i + 1]
         u0 = np.int64(0)
         if b - a > 1:
-            u0 = _dedup(rows, a, b, table_of_row, row_base, stamp, pos, i, c0, scratch)
+            u0 = _dedup(rows, a, b, table_of_row, row_base, tag, i, c0, scratch)
         i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters,
                      io, row_bytes, ws, res, scratch, u0, i, c0)
         if i < 0:

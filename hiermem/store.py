@@ -45,7 +45,7 @@ from .dataplane.batch import minmax, sorted_runs
 from .batched import BatchedOps
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
-from .tiers import DiskTier, SlotTier
+from .tiers import DiskTier, HostTier, SlotTier
 from .tiers.slots import Rows, by_table, by_tier
 from .types import StoreConfig, TableSpec, Tier
 
@@ -195,7 +195,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         cuda = torch.cuda.is_available()
         self._keys = make_index(config.device_rows + config.host_rows, [s.num_rows for s in tables])
         self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy, base=0)
-        self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
+        self._host = HostTier(config.host_rows, self.widths, [s.num_rows for s in tables], self.policy,
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
         self.plane: DataPlane = default_plane(self.device)  # executes pooling and the fused optimizer
@@ -514,24 +514,30 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             if slots.size:
                 s = torch.from_numpy(slots)
                 parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s),
-                              tier.data.index_select(0, s.to(tier.device)).cpu()))
+                              tier.read(s, self.width).cpu()))
         t, k, rec = (torch.cat([p[i] for p in parts]) for i in range(3))
         self._write_down(Rows(t, k, rec, torch.ones(t.numel(), dtype=torch.bool)))
 
     def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
         """The data plane of a committed plan: records host -> device, device -> host
-        (gathered before either side is overwritten), then disk records into place."""
+        (gathered before either side is overwritten), then disk records into place.  Host
+        slots emptied by the plan give back their records and those filled get one of
+        their row's width (:class:`~hiermem.tiers.HostTier`) before anything is written."""
         dev, host, dd = self._dev, self._host, self.device
         nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
         up = down = None
         if nu:
-            up = host.data.index_select(0, torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())).to(dd, non_blocking=True)
+            up_src = torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())
+            up = host.read(up_src, self.width).to(dd, non_blocking=True)
+            host.release(up_src)
         if nd:
             down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
         if nu:
             dev.data.index_copy_(0, torch.from_numpy(ws[_plan.UP_DST, :nu].copy()).to(dd), up)
         if nd:
-            host.data.index_copy_(0, torch.from_numpy(ws[_plan.DN_DST, :nd].copy()), down)
+            dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
+            host.assign(dn_dst)
+            host.write(dn_dst, down)
         w = self.width * 4
         nb = int(res[_plan.NB])
         self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
@@ -543,7 +549,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         if nb:
             dev.data.index_copy_(0, dst[:nb].to(dd), rec_disk[:nb].to(dd))
         if n > nb:
-            host.data.index_copy_(0, dst[nb:] - host.base, rec_disk[nb:])
+            hs = dst[nb:] - host.base
+            host.assign(hs)
+            host.write(hs, rec_disk[nb:])
 
     def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
         if not account:
@@ -565,7 +573,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         out = torch.empty((p.slot.numel(), cols), dtype=torch.float32, device=self.device)
         di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
         out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
-        out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi].cpu()).to(self.device)
+        out[hi] = self._host.read(p.slot[hi].cpu(), cols).to(self.device)
         return out
 
     def _parts(self, p: Placement):
@@ -585,8 +593,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         w = rec.shape[1]
         for tier, slots, idx in self._parts(p):
             r = rec if idx is None else rec.index_select(0, idx).to(tier.device)
-            dst = tier.data if w == tier.width else tier.data[:, :w]
-            dst.index_copy_(0, slots, r)
+            tier.write(slots, r)
             tier.dirty[slots.cpu()] = True
 
     # -- public API -----------------------------------------------------------------
@@ -715,8 +722,9 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             for tier, slots, idx in self._parts(p):
                 gi = g if idx is None else g.index_select(0, idx).to(tier.device)
                 si = st if idx is None else st.index_select(0, idx).to(tier.device)
-                self.optimizer.apply_slots_with_row_stat(tier.data, slots, gi, dim, self.widths[ti],
-                                                         self._steps[ti], si)
+                w, step = self.widths[ti], self._steps[ti]
+                tier.update(slots, w, lambda data, rows, gi=gi, si=si, w=w, step=step:
+                            self.optimizer.apply_slots_with_row_stat(data, rows, gi, dim, w, step, si))
                 tier.dirty[slots.cpu()] = True
             self.counters.add_io(IO.UPDATES, 1)
             self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
@@ -749,8 +757,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             for tier in (self._dev, self._host):
                 s = tier.dirty.nonzero().squeeze(1)
                 parts.append((tier, s))
-            rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.data[s].cpu(), tier.dirty[s].cpu())
-                    for tier, s in parts]
+            rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.read(s, self.width).cpu(),
+                         tier.dirty[s].cpu()) for tier, s in parts]
             allrows = Rows(*(torch.cat([getattr(r, f) for r in rows]) for f in ("t", "k", "rec", "dirty")))
             self._flush_seq += 1  # the number read-only handles report (recorded with the rows)
             try:
@@ -847,7 +855,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         """Check the internal invariants (a debugging aid; O(capacity)).
 
         Every resident row is in exactly one slot of one tier, the index maps it there,
-        and the index holds nothing else; pin counts sit on occupied slots only, and each
+        and the index holds nothing else; every host row has a record of its width of
+        its own; pin counts sit on occupied slots only, and each
         tier's count of pinned slots matches its pins.
 
         Raises:
@@ -871,6 +880,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             assert bool((self._keys.find(t, k) == g).all()), "index does not map a resident row to its slot"
             pairs = torch.stack((t, k), 1)
             assert torch.unique(pairs, dim=0).shape[0] == t.numel(), "a row is resident twice"
+            self._host.check()
 
     @property
     def closed(self) -> bool:

@@ -839,6 +839,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 "device_capacity": self._dev.capacity, "host_capacity": self._host.capacity,
                 "device_occupancy": self._dev.occupancy, "host_occupancy": self._host.occupancy,
                 "device_dirty": int(self._dev.dirty.sum()), "host_dirty": int(self._host.dirty.sum()),
+                "device_record_bytes": self._dev.record_bytes(), "host_record_bytes": self._host.record_bytes(),
                 "disk_rows": self._disk.count() if not self._closed else None,
                 "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
                 "disk_read_ahead_rows": self._disk.ahead_rows, "disk_read_ahead_hits": self._disk.ahead_hits,

@@ -184,3 +184,24 @@ def _train_cuda(s, ref, tables, max_id):
         s.lookup(name, ids.cuda())
         s.update(name, ids.cuda(), g.cuda())
         ref.update(name, ids, g)
+
+
+def test_pools_shrink_when_their_rows_leave(monkeypatch):
+    monkeypatch.setattr(host_mod, "FIRST_RECORDS", 4)
+    h, kt = _tier([3, 5], [None, None], capacity=64)
+    kt[:] = 1
+    h.assign(np.arange(64))
+    rec = torch.arange(64 * 5, dtype=torch.float32).reshape(64, 5)
+    h.write(np.arange(64), rec)
+    assert h.ccap.tolist() == [0, 64]
+    keep = np.array([3, 40, 63])  # records spread over the pool stay, moved below its new size
+    kt[:] = -1
+    kt[keep] = 1
+    h.release(np.arange(64))
+    h.check()
+    assert h.ccap.tolist() == [0, 6] and h.record_bytes() == (6 * 5 + 5) * 4
+    assert torch.equal(h.read(keep, 5), rec[keep])
+    kt[8:16] = 0  # the other width's rows come: its pool grows, the first's records stay
+    h.assign(np.arange(8, 16))
+    h.check()
+    assert torch.equal(h.read(keep, 5), rec[keep])

@@ -207,7 +207,7 @@ class HostTier(SlotTier):
             i, c = assign_records(s, self.state[0], self.tcls, self.hcls, self.hoff, self.cw, self.cbase, self.ccap,
                                   self.cused, self.cnfree, self.fbase, self.fstack, i)
             if c < 0:
-                return
+                return self._shrink()
             ccap = self.ccap.copy()
             ccap[c] = max(ccap[c] + 1, min(max(2 * ccap[c], FIRST_RECORDS), self.cbound[c]))
             self._layout(ccap)
@@ -218,6 +218,35 @@ class HostTier(SlotTier):
             return
         release_records(_i64(slots), self.state[0], self.hcls, self.hoff, self.cw, self.cbase, self.cnfree,
                         self.fbase, self.fstack)
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Halve (at least) every pool whose records are under a quarter in use: its
+        records above the new size move into free ones below it (so a pool follows the
+        rows held now, not the most it ever held)."""
+        live = self.cused - self.cnfree
+        shrink = (live * 4 < self.ccap) & (self.ccap > FIRST_RECORDS)
+        if not shrink.any():
+            return
+        ccap = self.ccap.copy()
+        flat = self.arena.numpy()
+        for c in np.flatnonzero(shrink):
+            w, base = int(self.cw[c]), int(self.cbase[c])
+            n = max(FIRST_RECORDS, 2 * int(live[c]))
+            held = np.flatnonzero(self.hcls == c)
+            idx = (self.hoff[held] - base) // w
+            used = np.zeros(n, dtype=np.bool_)
+            used[idx[idx < n]] = True
+            free = np.flatnonzero(~used)
+            movers = held[idx >= n]
+            to = free[:movers.size]
+            src = (self.hoff[movers] - base)[:, None] + np.arange(w)
+            flat[base + to[:, None] * w + np.arange(w)] = flat[base + src]
+            self.hoff[movers] = base + to * w
+            rest = free[movers.size:]
+            self.fstack[self.fbase[c]:self.fbase[c] + rest.size] = rest[::-1]
+            self.cnfree[c], self.cused[c], ccap[c] = rest.size, n, n
+        self._layout(ccap)
 
     # -- records ---------------------------------------------------------------------------
     def read(self, slots, cols: int) -> torch.Tensor:

@@ -530,6 +530,8 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             up_src = torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())
             up = host.read(up_src, self.width).to(dd, non_blocking=True)
             host.release(up_src)
+        if res[_plan.N_VH]:  # host victims gone to disk (their slots, unless refilled, give back their records)
+            host.release(ws[_plan.VH, :int(res[_plan.N_VH])])
         if nd:
             down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
         if nu:

@@ -2,10 +2,14 @@
 
 Every kernel works straight on the tiers' record storage: the device tier's ``dev``
 (float32 ``[capacity, width]``, C-contiguous) and the host tier's ``host``, whose records
-are at each table's own width (:class:`~hiermem.tiers.HostTier`): ``host`` is a
-float-stride view of its storage (``host[o, c]`` is its ``o + c``-th float) and host
-slot ``s``'s record starts at row ``hoff[s]``.  A row of the batch is named by its
-*global* slot ``g`` (``g < cap``: ``dev[g]``, else ``host[hoff[g - cap]]``).
+are at each table's own width (:class:`~hiermem.tiers.HostTier`): with several widths
+``host`` is a float-stride view of its storage (``host[o, c]`` is its ``o + c``-th
+float) and host slot ``s``'s record starts at row ``hoff[s]``; with one width (the
+common case) ``host`` is the tier's ``[H, W]`` array and ``hoff`` is empty (no load per
+id: measured, a ``hoff`` load per id cost the lookup 30-50%).  A row of the batch is
+named by its *global* slot ``g`` (``g < cap``: ``dev[g]``, else ``host[hoff[g - cap]]``
+or ``host[g - cap]``).  The two host layouts are two compiled copies of each kernel
+(the mixed-width one compiles at the first mixed-width batch, then is cached).
 No ``[n, dim]`` (per id) nor ``[U, dim]`` (per distinct row) intermediate is formed:
 the lookup pools each bag into its output row, and the backward sums each distinct
 row's gradient in a ``dim``-float buffer and applies the optimizer to the record in
@@ -31,8 +35,10 @@ one float32 ulp per operation.
 
 Argument conventions (shared by the optimizer kernels):
 
-* ``dev, host``: float32 ``[C, W]`` and ``[*, W]`` (the host's float-stride view);
-  ``hoff``: int64 ``[H]`` each host slot's record's row of ``host``; ``cap``: C (int64);
+* ``dev, host``: float32 ``[C, W]``; ``host`` float32 ``[H, W]`` C-contiguous (records
+  of one width) or ``[*, W]`` (the host's float-stride view, mixed widths);
+  ``hoff``: int64 ``[H]`` each host slot's record's row of ``host``, or empty (one
+  width: slot ``s`` at row ``s``); ``cap``: C (int64);
 * ``dev_dirty, host_dirty``: bool ``[C]`` / ``[H]``, set for every updated row;
 * ``gslot``: int64 ``[U]`` global slot of each distinct row; ``t``: int64 ``[U]`` its
   table; ``dims``: int64 ``[T]`` each table's dim (its record is
@@ -80,12 +86,20 @@ def scratch(cols):
 
 
 @serial
+def hrow(host, hoff, cap, g):
+    """The row of ``host`` where global slot ``g``'s record starts: ``hoff[g - cap]``, or
+    with ``hoff`` empty (every record one width, ``host`` the tier's ``[H, W]`` array)
+    ``g - cap``."""
+    return hoff[g - cap] if hoff.size > 0 else g - cap
+
+
+@serial
 def prefetch_slot(dev, host, hoff, cap, g, nbytes):
     """Prefetch the first ``nbytes`` of global slot ``g``'s record."""
     if g < cap:
         prefetch_row(dev, g, nbytes)
     else:
-        prefetch_row(host, hoff[g - cap], nbytes)
+        prefetch_row(host, hrow(host, hoff, cap, g), nbytes)
 
 
 @serial
@@ -133,7 +147,7 @@ def pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out
             if g < cap:
                 add_row(acc, dev, g, cols, weighted, w)
             else:
-                add_row(acc, host, hoff[g - cap], cols, weighted, w)
+                add_row(acc, host, hrow(host, hoff, cap, g), cols, weighted, w)
         if mean and e > s:
             ln = np.float32(e - s)
             for c in range(cols):
@@ -243,7 +257,7 @@ def sgd_rows(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, 
             sgd_row(dev, g, acc, dim, nlr)
         else:
             host_dirty[g - cap] = True
-            sgd_row(host, hoff[g - cap], acc, dim, nlr)
+            sgd_row(host, hrow(host, hoff, cap, g), acc, dim, nlr)
 
 
 @parallel
@@ -294,7 +308,7 @@ def adagrad(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, s
                 adagrad_row(dev, g, acc, dim, nlr, e)
             else:
                 host_dirty[g - cap] = True
-                adagrad_row(host, hoff[g - cap], acc, dim, nlr, e)
+                adagrad_row(host, hrow(host, hoff, cap, g), acc, dim, nlr, e)
 
 
 @serial
@@ -328,7 +342,7 @@ def rowwise_adagrad(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims,
                 rowwise_adagrad_row(dev, g, acc, dim, nlr, e)
             else:
                 host_dirty[g - cap] = True
-                rowwise_adagrad_row(host, hoff[g - cap], acc, dim, nlr, e)
+                rowwise_adagrad_row(host, hrow(host, hoff, cap, g), acc, dim, nlr, e)
 
 
 @serial
@@ -367,7 +381,7 @@ def adam(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, star
                 adam_row(dev, g, acc, dim, ns, o1, o2, e)
             else:
                 host_dirty[g - cap] = True
-                adam_row(host, hoff[g - cap], acc, dim, ns, o1, o2, e)
+                adam_row(host, hrow(host, hoff, cap, g), acc, dim, ns, o1, o2, e)
 
 
 @parallel

@@ -22,7 +22,7 @@ Both layouts answer the same small API: :meth:`read` / :meth:`write` records of 
 (compiled loops over arrays, no per-row Python), :meth:`update` (read, change, write
 back: the torch optimizers), and :meth:`kernel_arrays` for the compiled data plane,
 which addresses record ``s`` as row ``hoff[s]`` of a float-stride view of the storage
-(``view[o, c] == flat[o + c]``).  Not thread-safe: the store's lock guards it.
+(``view[o, c] == flat[o + c]``), or (one width) as row ``s`` of the tier's array.  Not thread-safe: the store's lock guards it.
 """
 
 from __future__ import annotations
@@ -153,9 +153,9 @@ class HostTier(SlotTier):
         self.width = W
         C, K = self.capacity, self.cw.size
         if self.uniform:
-            self.hcls = np.zeros(C, dtype=np.int64)
-            self.hoff = np.arange(C, dtype=np.int64) * self.width
-            self._view = _rows_view(self.data.numpy().reshape(-1), self.width)
+            self.hcls = self.hoff = np.zeros(0, dtype=np.int64)  # slot s is row s of data
+            self._view = self.data.numpy()
+            self._kernel_hoff = np.zeros(0, dtype=np.int64)  # slot s is row s
             return
         self.data = None  # no [capacity, width] tensor: records live in the arena
         self.tcls = tcls.astype(np.int64)
@@ -172,6 +172,7 @@ class HostTier(SlotTier):
         self.fbase = np.zeros(K, dtype=np.int64)
         self.fstack = np.zeros(0, dtype=np.int64)
         self.arena = torch.zeros(self.width, dtype=torch.float32)
+        self._kernel_hoff = self.hoff
         self._layout(np.zeros(K, dtype=np.int64))
 
     # -- the mixed layout's pools --------------------------------------------------------
@@ -284,8 +285,9 @@ class HostTier(SlotTier):
 
     def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, hoff)`` for the compiled data plane: slot ``s``'s record is
-        ``rows[hoff[s], :width]`` (``rows``: float32, a float-stride view of the storage)."""
-        return self._view, self.hoff
+        ``rows[hoff[s], :width]`` (``rows``: float32, a float-stride view of the storage);
+        one width: ``rows`` is the ``[H, W]`` tensor's array and ``hoff`` empty (row ``s``)."""
+        return self._view, self._kernel_hoff
 
     def clear(self) -> None:
         super().clear()
@@ -306,7 +308,7 @@ class HostTier(SlotTier):
         return sum(n * w for n, w in zip(resident, widths)) * 4
 
     def nbytes(self) -> int:
-        return self.record_bytes() + self.capacity * (22 + 16)  # + hoff, hcls
+        return self.record_bytes() + self.capacity * (22 + (0 if self.uniform else 16))  # + hoff, hcls
 
     def check(self) -> None:
         """Assert every occupied slot holds a record of its row's width, no two share one,

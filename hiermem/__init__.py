@@ -12,6 +12,7 @@ from .errors import ReadOnlyStoreError, StoreIOError  # hardening and read-only 
 from .errors import StoreVersionError  # the disk format version (issue 16)
 from .features import SparseFeatures
 from .eviction import LFU, LRU, POLICIES, EvictionPolicy, PolicySpec, register_policy, resolve_policy
+from . import eviction_ext  # noqa: F401  (registers lfu_decay and lookahead in POLICIES)
 from .metrics import STORES, MetricsRegistry, StoreCollector, serve_metrics
 from .optim import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 from .stats import IO, Stat

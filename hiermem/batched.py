@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .dataplane import RowGrads
-from .dataplane.batch import bag_of, first_bad, offsets_bad, tables_present
+from .batches import Batch, Placement, dedup, runs
+from .dataplane.batch import bag_of, first_bad, offsets_bad, sorted_runs, tables_present
+from .dataplane.staging import to_host
 from .errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError
 from .stats import IO, timed
 from .tiers.slots import by_table
@@ -104,6 +105,7 @@ class BatchedOps:
         d = self.device
         self.max_dim = max(s.dim for s in self.tables)
         self._max_ids = torch.tensor([s.max_id for s in self.tables], dtype=torch.int64, device=d)
+        self._max_ids_np = np.array([s.max_id for s in self.tables], dtype=np.int64)
         sizes = [s.num_rows for s in self.tables]
         self._linear = None
         if all(n is not None for n in sizes) and sum(sizes) < 2**62:
@@ -143,33 +145,22 @@ class BatchedOps:
                 raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(v.shape)}")
         if tables.numel() != ids.numel():
             raise InvalidArgumentError(f"tables ({tables.numel()}) and ids ({ids.numel()}) differ in length")
-        t = tables.to(self.device, torch.int64)
-        k = ids.to(self.device, torch.int64)
-        if k.numel() and k.device.type == "cpu":  # one compiled pass
-            j, what = first_bad(t.contiguous().numpy(), k.contiguous().numpy(), len(self.tables),
-                                self._max_ids.numpy())
+        # the control plane reads them on the CPU: they come there once (the one inherent
+        # device-to-host copy of a step when the caller's ids are on the GPU)
+        t = to_host(tables, "ids").to(torch.int64)
+        k = to_host(ids, "ids").to(torch.int64)
+        if k.numel():  # one compiled pass
+            j, what = first_bad(t.contiguous().numpy(), k.contiguous().numpy(), len(self.tables), self._max_ids_np)
             if what == 0:
                 raise InvalidArgumentError(f"table indices must be in [0, {len(self.tables)})")
             if what == 1:
                 spec = self.tables[int(t[j])]
                 rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
                 raise InvalidIdError(f"table {spec.name}: id {int(k[j])} outside {rng}")
-        elif k.numel():
-            if int(t.min()) < 0 or int(t.max()) >= len(self.tables):
-                raise InvalidArgumentError(f"table indices must be in [0, {len(self.tables)})")
-            bad = (k < 0) | (k > self._max_ids.index_select(0, t))
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0, 0])
-                spec = self.tables[int(t[i])]
-                rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
-                raise InvalidIdError(f"table {spec.name}: id {int(k[i])} outside {rng}")
         return t, k
 
     def _batch_multi(self, t: torch.Tensor, k: torch.Tensor):
-        """Deduplicate ids of several tables at once (a :class:`~hiermem.store.Batch`)."""
-        from .dataplane.batch import sorted_runs
-        from .store import Batch, dedup, runs
-
+        """Deduplicate ids of several tables at once (a :class:`~hiermem.batches.Batch`)."""
         n = k.numel()
         if self._linear is not None and k.device.type == "cpu":  # one compiled radix sort
             perm, starts, inverse, counts, lastpos, uk, ut = sorted_runs(k, t, self._linear_np)
@@ -189,9 +180,7 @@ class BatchedOps:
 
     def _locate(self, b):
         """Placement of resident rows without moving anything (None if one is not resident)."""
-        from .store import Placement
-
-        g = self._keys.find(b.t, b.k).to(self.device)
+        g = self._keys.find(b.t, b.k)  # CPU: no device sync
         if bool((g < 0).any()):
             return None
         D = self._dev.capacity
@@ -202,7 +191,7 @@ class BatchedOps:
 
     def _src(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefetch's inputs as the store's int64 tensors (no copy on the CPU)."""
-        return tables.to(self.device, torch.int64), ids.to(self.device, torch.int64)
+        return to_host(tables, "ids").to(torch.int64), to_host(ids, "ids").to(torch.int64)
 
     def _ticket_batch(self, ticket: Ticket | None, tables, ids):
         """The prefetch's Batch (validated, deduplicated) for a lookup given its ticket.
@@ -218,7 +207,7 @@ class BatchedOps:
                 return True
             if not isinstance(a, torch.Tensor) or a.dtype not in _INT_DTYPES or a.shape != b.shape:
                 return False
-            return bool(torch.equal(a.to(b.device, torch.int64), b))
+            return bool(torch.equal(to_host(a, "ids").to(torch.int64), b))
         if not (same(tables, ticket.src[0]) and same(ids, ticket.src[1])):
             raise InvalidArgumentError("this ticket was issued by the prefetch of other ids: pass the ticket "
                                        "of this batch (or none)")
@@ -273,7 +262,7 @@ class BatchedOps:
             return 0
         with self._lock:
             self._check_open()
-            miss = (self._keys.find(b.t, b.k) < 0).to(self.device)
+            miss = self._keys.find(b.t, b.k) < 0
             if not bool(miss.any()):
                 return 0
             mt, mk = b.t[miss].cpu(), b.k[miss].cpu()
@@ -283,7 +272,7 @@ class BatchedOps:
         return self._disk.read_ahead(groups, token, keep=keep)
 
     def _pin(self, p, delta: int) -> None:
-        for tier, slots, _ in self._parts(p):
+        for tier, _, _, slots in self._parts(p):  # the CPU slots: pins are control-plane state
             tier.pin(slots, delta)
 
     def prefetch(self, tables: torch.Tensor, ids: torch.Tensor) -> Ticket:
@@ -371,17 +360,17 @@ class BatchedOps:
             self.counters.add_io(IO.PREFETCH_REVOKED, len(live))
             return len(live)
 
-    def _place_batch(self, b, ticket: Ticket | None):
+    def _place_batch(self, b, ticket: Ticket | None, extra: dict | None = None):
         """Placement for a lookup: accounted, or, for a pinned ticket, its resident rows
         (where they are pinned, device or host: nothing moves, nothing is accounted)."""
         if ticket is None or not ticket.pinned:
             account = ticket is None or not ticket.accounted
             try:  # a prefetched batch was recorded when it was prefetched
-                return self._place(b, account=account, record=ticket is None)
+                return self._place(b, account=account, record=ticket is None, extra=extra)
             except CapacityError:  # later batches' pins hold the room this batch needs
                 if not self.revoke_prefetches():
                     raise
-                return self._place(b, account=account, record=ticket is None)
+                return self._place(b, account=account, record=ticket is None, extra=extra)
         # pinned rows are resident (admission places a pinned batch on the device whole,
         # and pinned rows are never victims): locate them, nothing moves
         p = self._locate(b)
@@ -395,13 +384,10 @@ class BatchedOps:
         if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
                 or offsets.dim() != 1:
             raise InvalidTypeError("offsets must be a 1-D int64/int32 tensor")
-        offsets = offsets.to(self.device, torch.int64)
+        offsets = to_host(offsets, "ids").to(torch.int64).contiguous()  # control: on the CPU, as the ids
         if offsets.numel() == 0:
             raise InvalidArgumentError("offsets must have one entry per bag (at least one)")
-        if offsets.device.type == "cpu":  # one compiled pass
-            bad = offsets_bad(offsets.contiguous().numpy(), n)
-        else:
-            bad = int(offsets[0]) != 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any())
+        bad = offsets_bad(offsets.numpy(), n)  # one compiled pass
         if bad:
             raise InvalidArgumentError(f"offsets must start at 0, not decrease and not pass len(ids)={n}")
         return offsets
@@ -411,21 +397,17 @@ class BatchedOps:
         if mode not in ("sum", "mean"):
             raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
         lengths = None
-        if offsets.device.type == "cpu":  # one compiled pass
-            bag = torch.from_numpy(bag_of(offsets.contiguous().numpy(), n))
-        else:
-            lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
-            bag = torch.repeat_interleave(torch.arange(offsets.numel(), device=self.device), lengths)
+        bag = torch.from_numpy(bag_of(offsets.contiguous().numpy(), n))  # one compiled pass
         scale = None
         if psw is not None:
             if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):
                 raise InvalidArgumentError(f"per_sample_weights must be a float tensor of shape ({n},)")
             if mode != "sum":
                 raise InvalidArgumentError("per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
-            scale = psw.detach().to(self.device, torch.float32)
-        elif mode == "mean":
-            if lengths is None:
-                lengths = torch.diff(offsets, append=torch.tensor([n], device=self.device))
+            # float data: on the device (pooling weights); no wait when it comes from the CPU
+            scale = psw.detach().to(self.device, torch.float32, non_blocking=True)
+        elif mode == "mean":  # on the CPU, staged to the device with the batch's control arrays
+            lengths = torch.diff(offsets, append=torch.tensor([n]))
             scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
         return bag, scale
 
@@ -441,6 +423,7 @@ class BatchedOps:
         with self._lock:
             self._check_open()
             ti = self.table_index(table)
+            ids_in = ids
             ids = self._ids(ti, ids)
             offsets = self._offsets(ids.numel(), offsets)
             bag, scale = self._bags(ids.numel(), offsets, mode, per_sample_weights)
@@ -448,8 +431,9 @@ class BatchedOps:
             if ids.numel() == 0:
                 return torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
             b = self._batch(ti, ids)
-            p = self._place(b, account=True)
-            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            extra = self._extras(b, offsets, bag, scale)
+            p = self._place(b, account=True, extra=extra)
+            self._memo = self._memo_of(ids_in, ids, b, p, ti)
             return self.plane.pool(self, p, b.inverse, offsets, ids.numel(), dim, mode,
                                    None if per_sample_weights is None else scale)
 
@@ -498,14 +482,16 @@ class BatchedOps:
             D = self.max_dim
             if n == 0:
                 return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
-            if b is not None and ticket.pinned and not ticket.released and ticket.slots is not None:
-                from .store import Placement  # pinned on the device by its prefetch: rows stay put
-
+            prefetched = b is not None
+            b = self._batch_multi(t, k) if b is None else b
+            extra = self._extras(b, offsets, bag, scale)
+            if prefetched and ticket.pinned and not ticket.released and ticket.slots is not None:
+                # pinned on the device by its prefetch: rows stay put
                 self.counters.add_io(IO.PREFETCH_HITS, n)
                 p = Placement(None, ticket.slots)
             else:
-                b = self._batch_multi(t, k) if b is None else b
-                p = self._place_batch(b, ticket)
+                p = self._place_batch(b, ticket, extra)
+            self._staged(b, p, extra)  # the plan's, the placement's and the step's arrays: one copy
             self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
                                         per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
             return self.plane.pool(self, p, b.inverse, offsets, n, D, mode,
@@ -553,13 +539,14 @@ class BatchedOps:
                 p = self._locate(b) if ticket is not None and ticket.pinned else None
             # each distinct row's gradient: the sum over its ids of their bag's gradient
             # (times the id's scale), formed by the data plane
-            self._update_multi(RowGrads(b, grad.detach().to(self.device, torch.float32).contiguous(), bag, scale),
-                               p, stepped)
+            self._update_multi(b, p, grad.detach().to(self.device), bag, scale, stepped)
 
-    def _update_multi(self, rg: RowGrads, p, stepped=None) -> None:
-        """Apply the per-row gradients ``rg`` of batch ``rg.b`` (placement ``p``, None: place
-        it now): one optimizer step per distinct row, in place in its tier."""
-        b = rg.b
+    def _update_multi(self, b, p, grad: torch.Tensor, bag: torch.Tensor, scale: torch.Tensor | None,
+                      stepped=None) -> None:
+        """Apply the gradients of bags ``grad`` to the rows of batch ``b`` (placement ``p``,
+        None: place it now): one optimizer step per distinct row, in place in its tier."""
+        self._check_deferred()
+        rg = self._row_grads(b, p, grad, bag, scale)
         self.plane.check(rg, "gradients")
         if p is None:
             try:
@@ -568,12 +555,13 @@ class BatchedOps:
                 if not self.revoke_prefetches():
                     raise
                 p = self._place(b, account=False)
-        if b.t.device.type == "cpu":  # one compiled pass over the distinct rows
-            present = tables_present(b.t.contiguous().numpy(), len(self.tables)).tolist()
-        else:
-            present = torch.unique(b.t).tolist()
-        for ti in set(stepped or ()) | set(present):  # in the batch without ids: a step, as SparseAdam's
+        if self._staging and p.dev is None:  # located, not placed: its slots to the device
+            p.dev = self._stage(b, p)
+        present = tables_present(b.t.contiguous().numpy(), len(self.tables)).tolist()  # one compiled pass
+        steps = sorted(set(stepped or ()) | set(present))
+        for ti in steps:  # in the batch without ids: a step, as SparseAdam's
             self._steps[ti] += 1
         self.plane.apply(self, rg, p, present)
+        self._defer(rg, steps, "gradients")
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())

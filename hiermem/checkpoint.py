@@ -25,7 +25,6 @@ lock, with no moment between in which another process could open the store.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import shutil
@@ -37,12 +36,13 @@ import torch
 
 from .errors import (DiskFullError, HierMemError, InvalidArgumentError, NonFiniteGradientError, StoreFormatError,
                      StoreIOError)
+from . import locks
+from .locks import READERS_LOCK, STORE_LOCK
 from .tiers.disk import DiskTier, _disk_full, decode_keys
 
 _FILES = ("data.mdb",)
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?:tmp|restore)-(?P<pid>[0-9]+)")
 _TEMP_FILES = {"data.mdb", "lock.mdb"}  # what a temporary of ours may hold
-READERS_LOCK = "hiermem.readers"  # held shared by read-only handles, exclusive by restore
 
 
 def _started_after(pid: int, when: float) -> bool:
@@ -160,17 +160,9 @@ def _lock_for_restore(path: Path) -> tuple[int, int]:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     fds = []
     try:
-        for name, who in (("hiermem.lock", "a process has the store open"),
+        for name, who in ((STORE_LOCK, "a process has the store open"),
                           (READERS_LOCK, "read-only handles of the store are open")):
-            try:
-                fd = os.open(path / name, os.O_RDWR | os.O_CREAT, 0o600)
-            except IsADirectoryError:
-                raise StoreFormatError(path, f"not a hiermem store: {path / name} is a directory") from None
-            fds.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                raise HierMemError(f"{path}: {who}; close it before restoring over it") from None
+            fds.append(locks.take(path, name, True, f"{who}; close it before restoring over it"))
         return fds[0], fds[1]
     except BaseException:
         for fd in fds:
@@ -244,7 +236,7 @@ class Checkpointing:
             DiskFullError, StoreIOError: copying failed (the store is untouched).
         """
         ck, path = Path(checkpoint).absolute(), Path(path).absolute()
-        from .store import _HANDOFF, _OPEN, _OPEN_LOCK
+        from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK
 
         with _OPEN_LOCK:
             if os.path.realpath(path) in _OPEN:
@@ -252,7 +244,7 @@ class Checkpointing:
         if not (ck / "data.mdb").is_file():
             raise StoreFormatError(ck, "not a hiermem checkpoint (no data.mdb)")
         if path.exists() and (not path.is_dir() or (not (path / "data.mdb").exists() and any(
-                p.name not in ("hiermem.lock", READERS_LOCK, "lock.mdb") for p in path.iterdir()))):
+                p.name not in (STORE_LOCK, READERS_LOCK, "lock.mdb") for p in path.iterdir()))):
             raise StoreFormatError(path, "not a hiermem store: restore will not replace it")
         lockfd, readers_fd = _lock_for_restore(path)
         try:
@@ -308,7 +300,7 @@ class Checkpointing:
             self.flush()
             w = self.widths[ti]
             keys, vals = [], []
-            db = self._disk._db(ti)  # None: nothing of the table was ever written
+            db = self._disk.table_database(ti)  # None: nothing of the table was ever written
             if db is not None:
                 with self._disk.env.begin(db=db, buffers=False) as txn:
                     for k, v in txn.cursor():
@@ -332,7 +324,7 @@ class Checkpointing:
             w = self.widths[ti]
             if not isinstance(records, torch.Tensor) or tuple(records.shape) != (ids.numel(), w):
                 raise InvalidArgumentError(f"records of table {table} must have shape {(ids.numel(), w)}")
-            rec = records.detach().to(self.device, torch.float32)
+            rec = records.detach().to("cpu", torch.float32)  # indexed by the batch's CPU tensors
             if ids.numel() and not bool(torch.isfinite(rec).all()):
                 raise NonFiniteGradientError(f"records of table {table} contain NaN or inf; nothing changed")
             if ids.numel() == 0:
@@ -346,7 +338,7 @@ class Checkpointing:
                 self._disk.write([(ti, b.k[out].cpu().numpy(), rec[out].cpu().numpy())], meta=self._meta())
             ri = res.nonzero().squeeze(1)
             if ri.numel():
-                from .store import Batch
+                from .batches import Batch
 
                 sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
                 self._scatter(self._locate(sub), rec.index_select(0, ri))

@@ -269,5 +269,3 @@ def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
     return spec
 
 
-from . import eviction_ext  # noqa: E402,F401  (registers lfu_decay and lookahead)
-

@@ -104,19 +104,19 @@ class _Snap:
 
 def snapshot(store) -> _Snap | None:
     """Copy a store's counters under its lock (None when it is closed)."""
-    with store._lock:
+    with store.lock:
         if store.closed:
             return None
         c, n = store.counters, len(store.tables)
         tiers = []
-        for tier in (store._dev, store._host):
+        for tier in store.slot_tiers:
             # numpy, single-threaded: no contention with the training step's torch thread pool
             kt, dirty, pins = (x.cpu().numpy() for x in (tier.keys_t, tier.dirty, tier.pins))
             resident = np.bincount(kt + 1, minlength=n + 1)[1:].tolist()
             tiers.append(_TierSnap(tier.tier.label, tier.capacity, resident,
                                    tier.occupied_bytes(resident, store.widths), tier.record_bytes(),
                                    int(np.count_nonzero(dirty)), int(np.count_nonzero(pins))))
-        disk = store._disk
+        disk = store.disk
         info, psize = disk.env.info(), disk.env.stat()["psize"]
         lmdb_read, lmdb_write = disk.durations()
         disk_io = {"read_ahead_rows": disk.ahead_rows, "read_ahead_hits": disk.ahead_hits,
@@ -126,7 +126,7 @@ def snapshot(store) -> _Snap | None:
                      disk.count(), (info["last_pgno"] + 1) * psize, disk.map_size,
                      {"lookup": c.lookup_seconds.copy(), "update": c.update_seconds.copy(),
                       "lmdb_read": lmdb_read, "lmdb_write": lmdb_write}, disk_io,
-                     {t.tier.label: t.policy.reservoir_builds for t in (store._dev, store._host)})
+                     {t.tier.label: t.policy.reservoir_builds for t in store.slot_tiers})
 
 
 # (IO counter, metric name, help); the bytes counters are one family per tier pair

@@ -21,7 +21,8 @@ from torch import nn
 from .dataplane.batch import repeat
 from .errors import InvalidArgumentError, InvalidTypeError
 from .features import SparseFeatures
-from .store import HierarchicalStore, initial_records
+from .rows import initial_records
+from .store import HierarchicalStore
 from .torchrec_compat import TorchRecLayout
 from .types import StoreConfig, TableSpec
 
@@ -224,7 +225,22 @@ class CachedEmbeddingBagCollection(nn.Module):
         """A consistent snapshot of every table across all tiers (see ``HierarchicalStore.checkpoint``)."""
         return self.store.checkpoint(dest)
 
+    # -- prefetch hand-off (a PrefetchPipeline's) --------------------------------------------
+    def expect(self, features, handle) -> None:
+        """The next ``forward(features)`` (this very object) uses ``handle``'s prefetch:
+        its ticket, then its release after the backward."""
+        self._pending[id(features)] = handle
+
+    def forget(self, features) -> None:
+        """Drop the prefetch handle :meth:`expect` left for ``features`` (never looked up)."""
+        self._pending.pop(id(features), None)
+
     # -- forward ------------------------------------------------------------------------
+    def as_features(self, features) -> SparseFeatures:
+        """``features`` (:class:`SparseFeatures` or a torchrec ``KeyedJaggedTensor``) as the
+        :class:`SparseFeatures` of this collection's tables (validated)."""
+        return self._features(features)
+
     def _features(self, features) -> SparseFeatures:
         if isinstance(features, SparseFeatures):
             f = features
@@ -269,10 +285,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         f = self._features(features)
         dev = self.store.device
         B, T = f.batch_size, len(f.keys)
-        ids = f.values.to(dev, torch.int64)
-        tables = self.id_tables(f).to(dev)
-        offsets = f.offsets()[:-1].to(dev)
-        weights = None if f.weights is None or not self._layout.weighted else f.weights.to(dev, torch.float32)
+        # ids, tables and offsets are the control plane's: the store reads them on the CPU,
+        # so they stay where the loader put them (moving CPU ids to a GPU would only make
+        # the store copy them back, and wait for it)
+        ids = f.values.to(torch.int64)
+        tables = self.id_tables(f)
+        offsets = f.offsets()[:-1]
+        weights = None if f.weights is None or not self._layout.weighted else \
+            f.weights.to(dev, torch.float32, non_blocking=True)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
         pooled = _PooledLookup.apply(anchor, self, tables, ids, offsets, weights, pending)
         if pending is not None and not pooled.requires_grad:  # no backward will run: unpin now
@@ -297,7 +317,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             destination[f"{prefix}{s.name}.ids"] = ids
             destination[f"{prefix}{s.name}.weight"] = rec[:, :s.dim].clone()
             destination[f"{prefix}{s.name}.optimizer_state"] = rec[:, s.dim:].clone()
-            destination[f"{prefix}{s.name}.step"] = torch.tensor(self.store._steps[self.store.table_index(s.name)])
+            destination[f"{prefix}{s.name}.step"] = torch.tensor(self.store.table_step(s.name))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -319,7 +339,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for s in self.tables:
             ids, w, st, step = (state_dict[f"{prefix}{s.name}.{p}"] for p in parts)
             self.store.import_records(s.name, ids.to(torch.int64), torch.cat((w, st), 1).to(torch.float32))
-            self.store._steps[self.store.table_index(s.name)] = int(step)
+            self.store.set_table_step(s.name, int(step))
         self.store.flush()
 
     def extra_repr(self) -> str:

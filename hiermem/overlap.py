@@ -11,9 +11,17 @@ foreground work there.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from .core.warm import available_cores
+
+def available_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def free_cores() -> int:

@@ -223,7 +223,7 @@ class _Handle:
         if r is None or (not r.pinned and not r.accounted):  # a plain, accounted lookup follows
             p._set_lookahead(self)
         if late and self.result is not None:
-            with p.store._lock:
+            with p.store.lock:
                 p.store.counters.add_io(IO.LATE_PREFETCHES, len(self.result))
             p.late_batches += 1
         p._effective_depth(self)
@@ -288,7 +288,7 @@ class PrefetchPipeline:
         self._recent: deque = deque(maxlen=depth)  # the last `depth` handles read
         # a lookahead policy sees the ids of `window` batches past each prefetched one
         # (window 0: the prefetch depth), so the loader is read that much further ahead
-        pol = self.store._dev.policy
+        pol = self.store.device_tier.policy
         self._window = (int(getattr(pol, "window", 0) or 0) or depth) if self.store.wants_lookahead else 0
         self._index: dict[int, _Handle] = {}  # handles by batch index, while they may be needed
         self._nread = 0
@@ -323,12 +323,12 @@ class PrefetchPipeline:
             self._exhausted = True
             return False
         f = self._features(batch)
-        sf = self.module._features(f)
+        sf = self.module.as_features(f)
         h = _Handle(self, f, self.module.id_tables(sf), sf.values.to(torch.int64), index=self._nread)
         self._index[self._nread] = h
         self._index.pop(self._nread - self.depth - 2 * self._window - 2, None)
         self._nread += 1
-        self.module._pending[id(f)] = h
+        self.module.expect(f, h)
         self._reader.submit(lambda: self._read_ahead(h))
         if len(self._recent) < self.depth:  # the first k batches: prefetched once the window is read
             self._initial.append(h)
@@ -406,7 +406,7 @@ class PrefetchPipeline:
             return batch
         while self._live:  # batches whose backward never ran (eval, skipped): unpin them
             h = self._live.popleft()
-            self.module._pending.pop(id(h.features), None)
+            self.module.forget(h.features)
             if not h.looked and h.next is not None:
                 self._submit(h.next)
             h.release()
@@ -452,7 +452,7 @@ class PrefetchPipeline:
             return
         self._closed = True
         for h in list(self._live) + [h for _, h in self._ahead]:
-            self.module._pending.pop(id(h.features), None)
+            self.module.forget(h.features)
             h.next = None
             h.release()
         self._live.clear()

@@ -27,7 +27,6 @@ Thread-safety: the methods take the handle's lock; one handle may serve several 
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import os
 import threading
@@ -36,10 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import locks, validate
 from .checkpoint import READERS_LOCK
 from .errors import HierMemError, InvalidArgumentError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .optim import optimizer_from_dict
-from .store import _OPEN, _OPEN_LOCK, _READERS, HierarchicalStore, dedup, initial_records
+from .batches import dedup
+from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS
+from .rows import initial_records
 from .tiers.disk import META_KEY, DiskTier, decode_keys, id_keys, key_list, parse_meta
 from .types import TableSpec
 
@@ -104,16 +106,7 @@ class ReadOnlyStore:
         self._closed = False
 
     def _take_readers_lock(self) -> int:
-        try:
-            fd = os.open(self.path / READERS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as e:
-            raise HierMemError(f"{self.path}: cannot open the readers' lock file: {e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise HierMemError(f"{self.path}: store is being restored; open it again when that is done") from None
-        return fd
+        return locks.take(self.path, READERS_LOCK, False, "store is being restored; open it again when that is done")
 
     def _release(self) -> None:
         with _OPEN_LOCK:
@@ -121,8 +114,11 @@ class ReadOnlyStore:
         os.close(self._lockfd)
 
     # -- validation (the store's own rules) ---------------------------------------------
-    table_index = HierarchicalStore.table_index
-    _ids = HierarchicalStore._ids
+    def table_index(self, table: str) -> int:
+        return validate.table_index(self._index, table)
+
+    def _ids(self, ti: int, ids) -> torch.Tensor:
+        return validate.check_ids(self.tables[ti], ids)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -158,7 +154,7 @@ class ReadOnlyStore:
         w, n = self.widths[ti], u.numel()
         ids = id_keys(u.numpy())  # sorted and distinct (dedup)
         disk = self._disk
-        db = disk._db(ti)  # None: nothing of the table was ever written
+        db = disk.table_database(ti)  # None: nothing of the table was ever written
 
         def snapshot(txn):
             return (txn.get(META_KEY, db=disk.meta_db),
@@ -169,7 +165,7 @@ class ReadOnlyStore:
         seq = int(parse_meta(self.path, raw_meta).get("flush_seq", 0))
         found = np.zeros(n, dtype=bool)
         out = np.zeros((n, w), dtype=np.float32)
-        disk._parse(res, ti, w, ids, None, found, out)
+        disk.parse_records(res, ti, w, ids, None, found, out)
         rec = torch.from_numpy(out)
         new = torch.from_numpy(~found).nonzero().squeeze(1)
         if new.numel():
@@ -207,7 +203,7 @@ class ReadOnlyStore:
         order, all from one read transaction; ``count``, if given, gets the total first."""
         w = self.widths[ti]
         disk = self._disk
-        db = disk._db(ti)  # before the transaction (opening one takes its own)
+        db = disk.table_database(ti)  # before the transaction (opening one takes its own)
         with disk.env.begin(buffers=False) as txn:  # one snapshot for the whole table
             raw_meta = txn.get(META_KEY, db=disk.meta_db)
             self.flush_seq = int(parse_meta(self.path, raw_meta).get("flush_seq", 0)) if raw_meta else 0

@@ -19,126 +19,40 @@ thread, a metrics scrape and the training loop may share one store.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 from types import SimpleNamespace
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidIdError, InvalidTypeError,
-                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError,
-                     UnknownTableError)
+from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidTypeError,
+                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError)
 from .eviction import resolve_policy
-from .hashing import mix_scalar, uniform_rows
+from .rows import initial_records
 from .overlap import resolve_write_behind
 from .core import plan as _plan
 from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
-from .dataplane import DataPlane, RowGrads, default_plane, plane_named
-from .dataplane.batch import minmax, sorted_runs
+from .dataplane import DataPlane, default_plane, plane_named
+from .dataplane.staging import CopyStream, PinnedRing, Stager, to_host
+from .batches import Batch, Placement, dedup
 from .batched import BatchedOps
+from .staged import StagedOps
+from . import locks, validate
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, HostTier, SlotTier
 from .tiers.slots import Rows, by_table, by_tier
 from .types import StoreConfig, TableSpec, Tier
 
-_OPEN: set[str] = set()  # store directories open in this process
-_OPEN_LOCK = threading.Lock()
-_READERS: set[str] = set()  # store directories with a read-only handle in this process (hiermem.readonly)
-_HANDOFF: dict[str, int] = {}  # store lock descriptors taken by restore() for the open that follows
+from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS  # noqa: E402
 
 
-def initial_records(spec: TableSpec, table_index: int, seed: int, optimizer: Optimizer,
-                    ids: torch.Tensor) -> torch.Tensor:
-    """Records ``[n, dim + state]`` of rows never written: weights ``U[-bound, bound)`` from
-    a counter-based hash of ``(seed, table, id)``, optimizer state at its initial value."""
-    key = mix_scalar(seed, table_index, spec.num_rows or 0, spec.dim)
-    rec = torch.full((ids.numel(), spec.dim + optimizer.state_width(spec.dim)), optimizer.state_init(),
-                     dtype=torch.float32, device=ids.device)
-    rec[:, :spec.dim] = uniform_rows(key, ids, spec.dim, spec.bound)
-    return rec
-
-
-@dataclass
-class Placement:
-    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`."""
-
-    on_device: torch.Tensor | None  # bool [U] (None: all on device)
-    slot: torch.Tensor  # int64 [U], a slot of the device or host tier
-    was_on_device: torch.Tensor | None = None  # bool [U]: on the device before the resolve (None: all)
-
-
-@dataclass
-class Batch:
-    """A validated, deduplicated batch of keys of one or more tables."""
-
-    t: torch.Tensor  # int64 [U] table index of each distinct key
-    k: torch.Tensor  # int64 [U] ids
-    inverse: torch.Tensor  # int64 [n] position of each input id in (t, k)
-    counts: torch.Tensor  # int64 [U] occurrences
-    lastpos: torch.Tensor  # int64 [U] position of the last occurrence
-    n: int
-    perm: torch.Tensor | None = None  # int64 [n] input positions in (t, k) order, stable
-    starts: torch.Tensor | None = None  # int64 [U] where each distinct key's run starts in perm
-
-    def sum_rows(self, src: torch.Tensor, index: torch.Tensor | None = None,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Per distinct key, the sum over its occurrences ``j`` of ``src[index[j]] * weights[j]``
-        (``src[j]`` when ``index`` is None): ``[U, cols]`` float32.
-
-        One fused ``embedding_bag`` over the runs of the sorted order (no ``[n, cols]``
-        intermediate, and far faster than ``index_add_`` on CPU); occurrences add up in
-        input order, as ``index_add_`` would add them.
-        """
-        src = src.detach()
-        if self.perm is None:  # a batch built without its sort (a sub-batch)
-            rows = src if index is None else src.index_select(0, index)
-            if weights is not None:
-                rows = rows * weights.unsqueeze(1)
-            out = torch.zeros((self.k.numel(), src.shape[1]), dtype=src.dtype, device=src.device)
-            return out.index_add_(0, self.inverse, rows)
-        idx = self.perm if index is None else index.index_select(0, self.perm)
-        w = None if weights is None else weights.detach().to(src.dtype).index_select(0, self.perm)
-        return F.embedding_bag(idx, src, self.starts, mode="sum", per_sample_weights=w)
-
-
-def dedup(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(unique, inverse, counts, lastpos, perm, starts)`` of int64 keys ``x`` from one
-    stable sort (``torch.unique`` sorts too, but returns neither the order nor the last
-    occurrence, which then costs a scatter).  On the CPU one compiled radix sort and a
-    pass over its runs give the same tensors (:mod:`hiermem.dataplane.dedup`)."""
-    if x.device.type == "cpu":
-        perm, starts, inverse, counts, lastpos, u, _ = sorted_runs(x)
-        return u, inverse, counts, lastpos, perm, starts
-    s, perm = torch.sort(x, stable=True)
-    starts, inverse, counts, lastpos = runs(perm, s[1:] != s[:-1])
-    return s.index_select(0, starts), inverse, counts, lastpos, perm, starts
-
-
-def runs(perm: torch.Tensor, differs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(starts, inverse, counts, lastpos)`` of the runs of equal keys in a stable sort
-    ``perm`` of the input, whose sorted neighbours differ where ``differs [n-1]``."""
-    n = perm.numel()
-    new = torch.ones(n, dtype=torch.bool, device=perm.device)
-    new[1:] = differs
-    starts = new.nonzero().squeeze(1)
-    ends = torch.empty_like(starts)
-    if starts.numel():
-        ends[:-1] = starts[1:]
-        ends[-1] = n
-    inverse = torch.empty_like(perm).scatter_(0, perm, torch.cumsum(new, 0) - 1)
-    # in a stable sort the last of a run is the key's last occurrence in the input
-    return starts, inverse, ends - starts, perm.index_select(0, ends - 1)
-
-
-class HierarchicalStore(BatchedOps, Checkpointing):
+class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
     """Embedding tables over device, host and disk tiers.
 
     Args:
@@ -198,6 +112,16 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self._host = HostTier(config.host_rows, self.widths, [s.num_rows for s in tables], self.policy,
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
+        # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
+        # in one copy, rows moved on a side stream, evictions landing in the host tier lazily
+        self._stager = Stager(self.device)
+        self._copies = CopyStream(self.device)
+        self._rows_ring = PinnedRing(pinned=self.device.type == "cuda", dtype=torch.float32)
+        self._pending_down: list[tuple] = []  # (event, pinned rows, host slots) not yet in the host tier
+        self._nonfinite: list[tuple] = []  # (event, pinned flag, tables, what) of updates checked on the device
+        #: check gradients for NaN/inf on the device, masking the update and raising at the
+        #: next update or flush, instead of a host sync per update (CUDA; see docs/dataplane.md)
+        self.defer_nonfinite = self.device.type == "cuda"
         self.plane: DataPlane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.counters = Counters(len(tables))
@@ -341,21 +265,10 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             if self.path.exists() and not self.path.is_dir():
                 raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            lock = self.path / "hiermem.lock"
-            self._made_lock = not lock.exists()
+            self._made_lock = not (self.path / locks.STORE_LOCK).exists()
             fd = _HANDOFF.pop(key, None)  # locked by restore() for this open
             if fd is None:
-                try:
-                    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-                except IsADirectoryError:
-                    raise StoreFormatError(self.path, f"not a hiermem store: {lock} is a directory") from None
-                except OSError as e:
-                    raise HierMemError(f"{self.path}: cannot open the store's lock file: {e}") from e
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    os.close(fd)
-                    raise HierMemError(f"{self.path}: store is open in another process") from None
+                fd = locks.take(self.path, locks.STORE_LOCK, True, "store is open in another process")
             try:  # private even if loosened since, as DiskTier makes LMDB's files
                 os.fchmod(fd, 0o600)
             except PermissionError:  # another owner's file: leave it
@@ -367,7 +280,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         with _OPEN_LOCK:
             _OPEN.discard(os.path.realpath(self.path))
             if unlink:  # refused a foreign directory: leave it as it was
-                (self.path / "hiermem.lock").unlink(missing_ok=True)
+                (self.path / locks.STORE_LOCK).unlink(missing_ok=True)
             os.close(self._lockfd)
 
     # -- validation ---------------------------------------------------------------
@@ -376,33 +289,10 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             raise StoreClosedError(f"{self.path}: store is closed")
 
     def table_index(self, table: str) -> int:
-        try:
-            return self._index[table]
-        except (KeyError, TypeError):
-            raise UnknownTableError(f"unknown table {table!r}; tables are {list(self._index)}") from None
+        return validate.table_index(self._index, table)
 
     def _ids(self, ti: int, ids) -> torch.Tensor:
-        if isinstance(ids, np.ndarray):
-            if ids.dtype.kind not in "iu":
-                raise InvalidTypeError(f"ids must be integers, got numpy {ids.dtype}")
-            if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
-                raise InvalidIdError(f"table {self.tables[ti].name}: ids above 2**63-1")
-            ids = torch.from_numpy(ids.astype(np.int64, copy=False))
-        if not isinstance(ids, torch.Tensor):
-            raise InvalidTypeError(f"ids must be a torch.Tensor or numpy array, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise InvalidTypeError(f"ids must have an integer dtype, got {ids.dtype}")
-        if ids.dim() != 1:
-            raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-        ids = ids.to(self.device, torch.int64)
-        if ids.numel():
-            lo, hi = minmax(ids.contiguous().numpy()) if ids.device.type == "cpu" else (int(ids.min()), int(ids.max()))
-            spec = self.tables[ti]
-            if lo < 0 or hi > spec.max_id:
-                bad = lo if lo < 0 else hi
-                rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
-                raise InvalidIdError(f"table {spec.name}: id {bad} outside {rng}")
-        return ids
+        return validate.check_ids(self.tables[ti], ids)
 
     def _values(self, ti: int, n: int, values, what: str, check_finite: bool = True) -> torch.Tensor:
         dim = self.tables[ti].dim
@@ -460,13 +350,14 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)
         return nbytes
 
-    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool) -> Placement:
+    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool, extra: dict | None = None) -> Placement:
         """Make every row of ``b`` resident (device first, host when the device is full).
 
         The control plane decides (:func:`hiermem.core.plan.decide`), then the I/O that may
         fail runs (LMDB read of the rows from disk, write-back of dirty victims), so an
         error leaves the store as it was; then the plan is committed and the data plane
-        copies the records it names.
+        copies the records it names.  ``extra``: the step's own control arrays (see
+        :meth:`_extras`), staged to the device in the same copy as the plan's.
         """
         bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
         U = bk.size
@@ -497,32 +388,45 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock_np, counts_np,
                      account, ws, res, self.counters.table.numpy())
         if M == 0:
-            return Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()).to(self.device))
+            p = Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()))
+            if self._staging:
+                p.dev = self._stage(b, p, extra)
+            return p
         self._epoch += 1
         self._memo = None
-        self._copy_plan(ws, res, rec_disk)
         slot = torch.from_numpy(ws[_plan.SLOT, :U].copy())
         ondev = torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
         was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
-        all_dev = bool(ondev.all())
-        return Placement(None if all_dev else ondev.to(self.device), slot.to(self.device), was_dev.to(self.device))
+        p = Placement(None if bool(ondev.all()) else ondev, slot, was_dev)
+        if self._staging:
+            self._move_staged(ws, res, rec_disk, p, b, extra)
+        else:
+            self._copy_plan(ws, res, rec_disk)
+        return p
 
     def _write_back(self, wb: np.ndarray) -> None:
-        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused."""
+        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused.
+
+        On CUDA, reading the device victims is an inherent sync: the CPU writes LMDB."""
         parts = []
         for tier, slots in by_tier(wb, self._dev, self._host):
             if slots.size:
                 s = torch.from_numpy(slots)
-                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s),
-                              tier.read(s, self.width).cpu()))
+                if tier is self._host:
+                    self._settle_host()
+                    rec = tier.read(s, self.width)
+                else:
+                    rec = to_host(tier.data.index_select(0, s.to(tier.device, non_blocking=True)), "evict_to_disk")
+                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s), rec))
         t, k, rec = (torch.cat([p[i] for p in parts]) for i in range(3))
         self._write_down(Rows(t, k, rec, torch.ones(t.numel(), dtype=torch.bool)))
 
     def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
-        """The data plane of a committed plan: records host -> device, device -> host
-        (gathered before either side is overwritten), then disk records into place.  Host
-        slots emptied by the plan give back their records and those filled get one of
-        their row's width (:class:`~hiermem.tiers.HostTier`) before anything is written."""
+        """The data plane of a committed plan on a CPU store: records host -> device,
+        device -> host (gathered before either side is overwritten), then disk records
+        into place (:meth:`_move_staged` is the staged form, CUDA's).  Host slots emptied
+        by the plan give back their records and those filled get one of their row's width
+        (:class:`~hiermem.tiers.HostTier`) before anything is written."""
         dev, host, dd = self._dev, self._host, self.device
         nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
         up = down = None
@@ -540,13 +444,10 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
             host.assign(dn_dst)
             host.write(dn_dst, down)
-        w = self.width * 4
-        nb = int(res[_plan.NB])
-        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
-        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
+        self._count_moves(nu, nd, int(res[_plan.NB]))
         if rec_disk is None:
             return
-        n = rec_disk.shape[0]
+        n, nb = rec_disk.shape[0], int(res[_plan.NB])
         dst = torch.from_numpy(ws[_plan.NEW_DST, :n].copy())
         if nb:
             dev.data.index_copy_(0, dst[:nb].to(dd), rec_disk[:nb].to(dd))
@@ -555,12 +456,17 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             host.assign(hs)
             host.write(hs, rec_disk[nb:])
 
-    def _place(self, b: Batch, account: bool, record: bool = True) -> Placement:
+    def _count_moves(self, nu: int, nd: int, nb: int) -> None:
+        w = self.width * 4
+        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
+        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
+
+    def _place(self, b: Batch, account: bool, record: bool = True, extra: dict | None = None) -> Placement:
         if not account:
-            return self._resolve(b, torch.full_like(b.k, self._clock), False)
+            return self._resolve(b, torch.full_like(b.k, self._clock), False, extra)
         if self._soon is not None:  # a lookahead policy learns which resident rows come back soon
             self._mark_soon()
-        p = self._resolve(b, b.lastpos + self._clock, True)
+        p = self._resolve(b, b.lastpos + self._clock, True, extra)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
         if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
             self._recorder.record(b)
@@ -568,35 +474,55 @@ class HierarchicalStore(BatchedOps, Checkpointing):
 
     def _gather(self, p: Placement, cols: int) -> torch.Tensor:
         """Records ``[U, cols]`` on the device of a placement's rows."""
-        dev = self._dev
+        dev, d = self._dev, p.dev
         if p.on_device is None:
             src = dev.data if cols == dev.width else dev.data[:, :cols]
-            return src.index_select(0, p.slot)
+            return src.index_select(0, p.slot if d is None else d.slot)
         out = torch.empty((p.slot.numel(), cols), dtype=torch.float32, device=self.device)
-        di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
-        out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
-        out[hi] = self._host.read(p.slot[hi].cpu(), cols).to(self.device)
+        self._settle_host()
+        if d is None:
+            di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
+            out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
+            out[hi] = self._host.read(p.slot[hi], cols).to(self.device)
+            return out
+        # the host rows: gathered on the CPU into pinned memory, one copy up
+        rows = self._rows_ring.take(d.host_slot.numel() * cols).view(-1, cols)
+        self._host.read(d.host_slot, cols, out=rows)
+        out.index_copy_(0, d.dev_idx, dev.data[:, :cols].index_select(0, d.dev_slot))
+        out.index_copy_(0, d.host_idx, rows.to(self.device, non_blocking=True))
+        self._rows_ring.done(rows)
         return out
 
     def _parts(self, p: Placement):
-        """``(tier, slots, idx)`` per tier holding rows of ``p``; ``idx`` picks the rows of
-        the batch in that tier (None: all of them, on the device)."""
+        """``(tier, slots, idx, cpu_slots)`` per tier holding rows of ``p``: ``slots`` on the
+        tier's device, ``idx`` the rows of the batch in that tier, on the store's device
+        (None: all of them, on the device), ``cpu_slots`` the slots on the CPU."""
+        d = p.dev
         if p.on_device is None:
-            return [(self._dev, p.slot, None)]
+            return [(self._dev, p.slot if d is None else d.slot, None, p.slot)]
         out = []
+        if d is not None:
+            if d.dev_idx.numel():
+                out.append((self._dev, d.dev_slot, d.dev_idx, d.dev_slot_cpu))
+            if d.host_idx.numel():
+                self._settle_host()
+                out.append((self._host, d.host_slot, d.host_idx, d.host_slot))
+            return out
         for tier, mask in ((self._dev, p.on_device), (self._host, ~p.on_device)):
             idx = mask.nonzero().squeeze(1)
             if idx.numel():
-                out.append((tier, p.slot.index_select(0, idx).to(tier.device), idx))
+                if tier is self._host:
+                    self._settle_host()
+                cs = p.slot.index_select(0, idx)
+                out.append((tier, cs.to(tier.device), idx.to(self.device), cs))
         return out
 
     def _scatter(self, p: Placement, rec: torch.Tensor) -> None:
         """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
-        w = rec.shape[1]
-        for tier, slots, idx in self._parts(p):
-            r = rec if idx is None else rec.index_select(0, idx).to(tier.device)
-            tier.write(slots, r)
-            tier.dirty[slots.cpu()] = True
+        for tier, slots, idx, cslots in self._parts(p):
+            r = rec if idx is None else rec.index_select(0, idx.to(rec.device))
+            tier.write(slots, r.to(tier.device))
+            tier.dirty[cslots] = True
 
     # -- public API -----------------------------------------------------------------
     @timed("lookup_seconds")
@@ -613,27 +539,38 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         with self._lock:
             self._check_open()
             ti = self.table_index(table)
+            ids_in = ids
             ids = self._ids(ti, ids)
             dim = self.tables[ti].dim
             if ids.numel() == 0:
                 return torch.empty((0, dim), dtype=torch.float32, device=self.device)
             b = self._batch(ti, ids)
-            p = self._place(b, account=True)
-            self._memo = (ids, ids._version, b, p, self._epoch, ti)
+            p = self._place(b, account=True, extra=self._extras(b))
+            # keyed by the caller's tensor (ids of a CUDA caller were copied to the CPU)
+            self._memo = self._memo_of(ids_in, ids, b, p, ti)
             return self._rows(p, b, dim)
 
     def _rows(self, p: Placement, b: Batch, dim: int) -> torch.Tensor:
         """Rows ``[n, dim]`` of every id of the batch (one gather when all are on device)."""
+        d = p.dev
         if p.on_device is None:
             src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
-            return src.index_select(0, p.slot.index_select(0, b.inverse))
-        return self._gather(p, dim).index_select(0, b.inverse)
+            return src.index_select(0, p.slot.index_select(0, b.inverse) if d is None else d.ids_slot)
+        return self._gather(p, dim).index_select(0, b.inverse if d is None else d.inverse)
+
+    def _memo_of(self, ids_in, ids: torch.Tensor, b: Batch, p: Placement, ti: int) -> tuple:
+        """A lookup's memo for the update that follows it: keyed by the caller's tensor
+        (ids of a CUDA caller were copied to the CPU; a numpy array, converted, keys nothing
+        an update could pass again)."""
+        key = ids_in if isinstance(ids_in, torch.Tensor) else ids
+        return key, key._version, b, p, self._epoch, ti
 
     def _memo_for(self, ti: int, ids) -> tuple[Batch, Placement] | None:
         """The last lookup's batch and placement, if ``ids`` is that lookup's unchanged
         tensor of the same table and no row has changed tier since."""
         m = self._memo
-        if m is not None and m[0] is ids and m[1] == ids._version and m[4] == self._epoch and m[5] == ti:
+        if (m is not None and m[0] is ids and isinstance(ids, torch.Tensor) and m[1] == ids._version
+                and m[4] == self._epoch and m[5] == ti):
             return m[2], m[3]
         return None
 
@@ -659,17 +596,58 @@ class HierarchicalStore(BatchedOps, Checkpointing):
         ``grads[src[j]] * scale[j]`` (``grads[j]`` when ``src`` is None) to its row."""
         if ids.numel() == 0:
             return
+        self._check_deferred()
         memo = self._memo_for(ti, ids_in)
         b, p = memo if memo is not None else (self._batch(ti, ids), None)
-        rg = RowGrads(b, grads.to(torch.float32).contiguous(), src, scale)
+        # the bags of this call's offsets (the memo matched the ids only): staged afresh
+        rg = self._row_grads(b, p, grads, src, scale, reuse_bags=False)
+        what = f"grads of table {self.tables[ti].name}"
         # every row's gradient is checked before anything changes
-        self.plane.check(rg, f"grads of table {self.tables[ti].name}")
+        self.plane.check(rg, what)
         if p is None:
             p = self._place(b, account=False)
         self._steps[ti] += 1
         self.plane.apply(self, rg, p, [ti])
+        self._defer(rg, [ti], what)
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+
+    # -- read-only views for the store's collaborators (metrics, pipeline, modules) ------
+    @property
+    def lock(self) -> threading.RLock:
+        """The store's (re-entrant) lock: every call holds it; hold it to read several
+        figures of one moment, or to keep the store's state still."""
+        return self._lock
+
+    @property
+    def slot_tiers(self) -> tuple[SlotTier, SlotTier]:
+        """The slot tiers, fastest first: ``(device, host)``.  Their metadata is the
+        control plane's; read it under :attr:`lock`, change it never."""
+        return self._dev, self._host
+
+    @property
+    def device_tier(self) -> SlotTier:
+        return self._dev
+
+    @property
+    def host_tier(self) -> SlotTier:
+        return self._host
+
+    @property
+    def disk(self) -> DiskTier:
+        """The LMDB tier (its counters and timers are read by metrics)."""
+        return self._disk
+
+    def table_step(self, table: str) -> int:
+        """Optimizer steps table ``table`` has taken (Adam's bias correction counts them)."""
+        return self._steps[self.table_index(table)]
+
+    def set_table_step(self, table: str, step: int) -> None:
+        """Set table ``table``'s optimizer step count (a module's ``load_state_dict``)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+        with self._lock:
+            self._steps[self.table_index(table)] = step
 
     @property
     def data_plane(self) -> str:
@@ -719,15 +697,16 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             p = self._place(b, account=False)
             self._steps[ti] += 1
             dim = self.tables[ti].dim
-            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel(), device=self.device))
+            order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel()))
+            order = order.to(self.device)
             g, st = grads.index_select(0, order), row_stat.index_select(0, order)  # in b.k order
-            for tier, slots, idx in self._parts(p):
+            for tier, slots, idx, cslots in self._parts(p):
                 gi = g if idx is None else g.index_select(0, idx).to(tier.device)
                 si = st if idx is None else st.index_select(0, idx).to(tier.device)
                 w, step = self.widths[ti], self._steps[ti]
                 tier.update(slots, w, lambda data, rows, gi=gi, si=si, w=w, step=step:
                             self.optimizer.apply_slots_with_row_stat(data, rows, gi, dim, w, step, si))
-                tier.dirty[slots.cpu()] = True
+                tier.dirty[cslots] = True
             self.counters.add_io(IO.UPDATES, 1)
             self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -747,14 +726,16 @@ class HierarchicalStore(BatchedOps, Checkpointing):
             b = self._batch(ti, ids)
             p = self._place(b, account=False)
             dim, w = self.tables[ti].dim, self.widths[ti]
-            rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32, device=self.device)
-            rec[:, :dim] = values.index_select(0, b.lastpos)
+            rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32)
+            rec[:, :dim] = values.cpu().index_select(0, b.lastpos)
             self._scatter(p, rec)
 
     def flush(self) -> None:
         """Write every dirty row to LMDB in one transaction and sync it to disk."""
         with self._lock:
             self._check_open()
+            self._check_deferred()
+            self._settle_host()
             parts = []
             for tier in (self._dev, self._host):
                 s = tier.dirty.nonzero().squeeze(1)
@@ -780,6 +761,7 @@ class HierarchicalStore(BatchedOps, Checkpointing):
                 return
             try:
                 self.stop_recording()
+                self._check_deferred(raise_=False)  # a refused update's step undone; nothing to raise into
                 self.flush()
             finally:
                 self._closed = True

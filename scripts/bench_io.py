@@ -142,7 +142,7 @@ def raw_tier(path: Path, version: int) -> tuple[DiskTier, list]:
         tier = DiskTier(path, create=False, sync=False, writemap=None)
         return tier, [tier.rows_db] * TABLES
     tier = DiskTier(path, create=True, sync=False, writemap=None, tables=TABLES)
-    return tier, [tier._db(t) for t in range(TABLES)]
+    return tier, [tier.table_database(t) for t in range(TABLES)]
 
 
 def _fill(d: DiskTier, raws: dict, per: int) -> None:

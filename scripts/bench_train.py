@@ -31,7 +31,15 @@ Prefetch over no prefetch and write-behind over synchronous write-backs are meas
 pairs (``paired``): both configurations warm up, then train the same batches in
 alternating blocks in the same run, and the ratio is the median of the blocks' ratios
 (the configurations' own ratios to the baseline, measured apart, are the ``_unpaired``
-figures: on a noisy machine they differ by +-10% even where both run the same code).
+figures: on a noisy machine they differ by +-10% even where both run the same code).  A
+control pair (``paired_noise``: the first workload's disk configuration against itself)
+shows how far from 1.0 a pair of identical code lands here.
+
+LMDB bound (``*_lmdb_bound``): the most a design that moves each row crossing the disk
+tier through LMDB once per crossing can reach, from the configuration's own LMDB time
+per step: ``serial`` = baseline step / (baseline step + LMDB time), ``overlapped`` =
+baseline step / max(baseline step, LMDB time) (every LMDB call hidden behind the step on
+another core).
 
 Time split (ms/step): ``dense`` = step - the training thread's store calls - ``wait``
 (for the prefetch thread, and at block ends); ``lmdb_read``/``lmdb_write``: the disk
@@ -89,7 +97,7 @@ GPU_NVME_BPS = 7e9  # one Gen4/5 NVMe drive, sequential read (also used for writ
 WINDOW, TOLERANCE, MIN_WARMUP = 20, 0.005, 40
 DEPTH = 2
 BLOCK = 5  # timed steps per block, alternating hiermem and baseline
-PAIR_STEPS = 2  # a pair (paired()) times this many x --steps: twice the blocks, half the noise of a median
+PAIR_STEPS = 4  # a pair (paired()) times this many x --steps: 4x the blocks of a configuration, half its noise
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,7 @@ def settle(store, pipe) -> None:
     (and the GPU's queued kernels)."""
     if pipe is not None:
         pipe.wait_idle()
-    store._disk.drain()  # the write-behind queue (a no-op without it)
+    store.disk.drain()  # the write-behind queue (a no-op without it)
     sync()
 
 
@@ -255,7 +263,7 @@ def timed_blocks(tr: Trainer, it, store, pipe, base: Trainer, batches: list, sta
 def snapshot(store, pipe) -> dict:
     """Counters and timers of the store (and pipeline) now, as plain numbers."""
     c = store.counters
-    rd, wr = store._disk.durations()
+    rd, wr = store.disk.durations()
     return {"table": c.table.sum(0).clone(), "io": c.io.clone(),
             "fg": c.lookup_seconds.sum + c.update_seconds.sum, "read": rd.sum, "write": wr.sum,
             "wait": pipe.wait_seconds if pipe else 0.0, "pf": pipe.prefetch_seconds if pipe else 0.0,
@@ -462,6 +470,8 @@ def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn
             pairs = [("prefetch", (dev, 8 * dev, DEPTH, False), (dev, 8 * dev, 0, False))]
             if m in wb_sizes:
                 pairs.append(("write_behind", (dev, 8 * dev, 0, "auto"), (dev, 8 * dev, 0, False)))
+            if a.cold:  # the control: one configuration against itself shows the pairs' noise
+                pairs.append(("same", (dev, 8 * dev, 0, False), (dev, 8 * dev, 0, False)))
             for what, ca, cb in pairs:
                 pairs_out[f"{wl.name}/{what}@{m}W"] = paired(ctx, wl, f"{wl.name}/{what}@{m}W", ca, cb)
         if a.cold:
@@ -558,11 +568,25 @@ def print_table(res: dict) -> None:
           f"{'behind' if c['write_behind'] else 'in step'}")
 
 
+def bound(c: dict, batch: int) -> dict:
+    """The LMDB bound of configuration figures ``c`` (see the module docstring): the best
+    any design that reads and writes each row crossing the disk tier once through LMDB can
+    reach beside the baseline, its LMDB time added to the baseline's step (serial) or
+    hidden behind it on another core (overlapped)."""
+    base = 1e3 * batch / c["baseline_samples_per_s"]
+    io = c["ms_per_step"]["lmdb_read"] + c["ms_per_step"]["lmdb_write"]
+    return {"baseline_ms": round(base, 3), "lmdb_ms": round(io, 3), "serial": round(base / (base + io), 3),
+            "overlapped": round(base / max(base, io, 1e-9), 3)}
+
+
 def summary(res: dict, Ws: dict, proj: dict, png: Path, a, pairs: dict | None = None) -> dict:
     """The JSON line: headline ratios, then every configuration's figures.  The worst
     prefetch and write-behind ratios come from the paired measurements (:func:`paired`)
     where there are any; ``*_unpaired``: the same from configurations measured apart."""
     pairs = pairs or {}
+
+    def lmdb_bound(k):
+        return bound(res[k], a.batch) if k in res else None
 
     def worst_pair(what):
         r = [v["ratio"] for k, v in pairs.items() if k.split("/")[1].startswith(what + "@")]
@@ -582,7 +606,13 @@ def summary(res: dict, Ws: dict, proj: dict, png: Path, a, pairs: dict | None = 
             "worst_prefetch_over_no_prefetch_unpaired": rnd(wp),
             "worst_write_behind_over_sync_unpaired": rnd(ww),
             "paired": {k: {"ratio": rnd(v["ratio"]), "block_ratios": v["block_ratios"],
-                           "prefetch_write_behind": [v["a"], v["b"]]} for k, v in pairs.items()},
+                           "prefetch_write_behind": [v["a"], v["b"]]} for k, v in pairs.items()
+                       if k.split("/")[1].split("@")[0] != "same"},
+            "paired_noise": {k: {"ratio": rnd(v["ratio"]), "quartiles": [rnd(q) for q in
+                                                                      np.percentile(v["block_ratios"], [25, 75])]}
+                             for k, v in pairs.items() if k.split("/")[1].split("@")[0] == "same"},
+            "steady_disk_prefetch_lmdb_bound": lmdb_bound(head),
+            "criteo_steady_disk_prefetch_lmdb_bound": lmdb_bound("criteo/disk_pf@2W"),
             "warmup_steps": res[head]["warmup_steps"] if head in res else None,
             "warmup_steps_max": max(c["warmup_steps"] for c in res.values()),
             "warmup_capped": [k for k, c in res.items() if not c["settled"]],
@@ -660,6 +690,11 @@ def main(argv=None) -> int:
         if isinstance(v, dict):
             print(f"  {k:26s} hides LMDB at steps >= {v['hide_disk_at_step_ms']:7.2f} ms "
                   f"(all transfers: {v['hide_all_io_at_step_ms']:.2f} ms)", file=sys.stderr)
+    for k, c in res.items():
+        if k.endswith("/disk_pf@2W"):
+            b = bound(c, a.batch)
+            print(f"  LMDB bound {k:22s} baseline {b['baseline_ms']:.2f} ms/step, LMDB {b['lmdb_ms']:.2f} ms/step: "
+                  f"at most x{b['serial']:.3f} serial, x{b['overlapped']:.3f} overlapped", file=sys.stderr)
     load = (round(load0, 2), round(os.getloadavg()[0], 2))
     gpu = f" + {torch.cuda.get_device_name()}" if a.device == "cuda" else " (no GPU)"
     plot(res, [w.name for w in wls], sizes, png, f"measured on {os.cpu_count()} CPU cores{gpu}, batch {a.batch}, "

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The first thing to run on a machine with a GPU (one GPU, under 8 minutes):
 #   1. the CUDA tests (tests marked gpu: the store and the module on a CUDA device tier,
-#      the data-plane exactness tests with device="cuda"),
+#      the data-plane exactness tests and the model-based store exactness machine with
+#      device="cuda", the CUDA step path: one staging copy per batch, rows crossing
+#      device/host/disk against the CPU store, steady-state steps under
+#      torch.cuda.set_sync_debug_mode("error"), the deferred NaN check),
 #   2. scripts/bench_store.py --quick (the CPU data plane against FBGEMM's CPU TBE),
 #   3. scripts/bench_train.py --quick --device cuda (DLRM on the GPU through hiermem
 #      against nn.EmbeddingBag on the GPU),
@@ -46,11 +49,12 @@ run() {  # name, limit (s), command...
 }
 
 # compiling the kernels once (cached on disk) is charged to no part in particular
-run compile 120 "$PY" -c 'import hiermem, hiermem.dataplane.kernels'
-run cuda_tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_dataplane.py
-run bench_store 80 "$PY" scripts/bench_store.py --quick
+# (limits add up to 450 s: the whole check stays under 8 minutes)
+run compile 90 "$PY" -c 'import hiermem, hiermem.dataplane.kernels'
+run cuda_tests 140 "$PY" -m pytest -q -s -rfE -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_dataplane.py
+run bench_store 70 "$PY" scripts/bench_store.py --quick
 run bench_train 120 "$PY" scripts/bench_train.py --quick --device cuda --png "$out/bench_train.png"
-run nccl_check 40 "$PY" scripts/nccl_check.py
+run nccl_check 30 "$PY" scripts/nccl_check.py
 
 "$PY" - "$out" <<'EOF'
 import json, pathlib, sys
@@ -64,6 +68,11 @@ def last_json(name):
         return None
 s, t = last_json("bench_store"), last_json("bench_train")
 print("\ngpu_check figures")
+f = out / "cuda_tests.log"
+for line in (f.read_text().splitlines() if f.is_file() else []):
+    for key in ("moved bytes", "waits {"):  # the CUDA step path: bytes moved, waits that blocked
+        if key in line:  # (-s prints land after pytest's progress dots)
+            print("  cuda step path:", line[line.index(key):])
 if s:
     for k in ("b_over_fbgemm", "criteo_b_over_fbgemm", "exact", "exact_fbgemm", "criteo_exact", "criteo_exact_fbgemm"):
         print(f"  bench_store {k}: {s.get(k)}")

@@ -92,7 +92,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hiermem as hm  # noqa: E402
-from hiermem.store import initial_records  # noqa: E402
+from hiermem.rows import initial_records  # noqa: E402
 from hiermem.tiers import DiskTier  # noqa: E402
 
 # -- the store under torture ---------------------------------------------------------------
@@ -228,7 +228,7 @@ def _die() -> None:
 def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict:
     """Make the child SIGKILL itself at ``mode``'s point of its ``nth`` flush (or eviction
     write-back).  Returns a dict whose ``"after_flush"`` is called when flush() returns."""
-    disk, hooks = store._disk, {"after_flush": lambda: None, "in_checkpoint": [False]}
+    disk, hooks = store.disk, {"after_flush": lambda: None, "in_checkpoint": [False]}
     seen = {"flush": 0, "writeback": 0, "prefetch": 0, "checkpoint": 0}
     real_write, real_txn, real_sync = disk.write, disk._write_txn, disk.sync
     wanted = {"writeback-txn": "writeback", "prefetch-writeback": "prefetch"}.get(mode, "flush")
@@ -303,7 +303,7 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
     real_prefetch = store.prefetch
 
     def prefetch(tables, ids):  # runs on the pipeline's thread
-        with store._lock:
+        with store.lock:
             print("P", flush=True)
             in_prefetch[0] = True
             try:
@@ -326,7 +326,7 @@ def pipeline_segment(store: hm.HierarchicalStore, ref: "Reference", log: "Log", 
     real_update = store.update_bags
 
     def update_bags(tables, ids, offsets, grad, mode="sum", per_sample_weights=None, ticket=None, stepped=None):
-        with store._lock:
+        with store.lock:
             real_update(tables, ids, offsets, grad, mode, per_sample_weights, ticket=ticket, stepped=stepped)
             lengths = torch.diff(offsets.cpu(), append=torch.tensor([ids.numel()]))
             g_ids = grad.detach().float().cpu()[torch.repeat_interleave(torch.arange(offsets.numel()), lengths)]

@@ -500,3 +500,22 @@ def test_good_policy_file_is_accepted(tmp_path):
     pf.write_text('name = "lfu"\ndescription = "frequency"\ndevice_rows = 4\n[params]\n')
     with _store(tmp_path / "s", policy=str(pf)) as s:
         assert s.stats()["_store"]["policy"] == "lfu"
+
+
+def test_numpy_ids_in_every_single_table_call(tmp_path):
+    """ids given as numpy arrays (int32 and int64) work in lookup, lookup_pooled and the
+    updates that follow them (the lookup's memo is keyed by torch tensors only)."""
+    import numpy as np
+
+    s = hm.HierarchicalStore([hm.TableSpec("t", 100, 4)],
+                             hm.StoreConfig(path=tmp_path / "s", device_rows=8, host_rows=16))
+    try:
+        for dt in (np.int64, np.int32):
+            ids = np.array([1, 2, 3, 2], dtype=dt)
+            assert s.lookup("t", ids).shape == (4, 4)
+            s.update("t", ids, torch.ones(4, 4))
+            off = torch.tensor([0, 2])
+            assert s.lookup_pooled("t", ids, off).shape == (2, 4)
+            s.update_pooled("t", ids, off, torch.ones(2, 4))
+    finally:
+        s.close()

@@ -80,3 +80,14 @@ def test_paired_runs_both_configurations_on_the_same_batches(bt, tmp_path):
     assert out["ratio"] == pytest.approx(float(np.median(out["block_ratios"])), abs=1e-4)  # blocks rounded
     assert out["a"][0] in ("threads", "inline", "foreground") and out["b"] == (None, False)
     assert not list(tmp_path.glob("*-pair-*"))  # both stores removed
+
+
+def test_lmdb_bound_from_a_configurations_figures(bt):
+    """The LMDB bound: the baseline's step with the configuration's LMDB time added
+    (serial) or hidden on another core (overlapped)."""
+    c = {"baseline_samples_per_s": 256 / 2e-3, "ms_per_step": {"lmdb_read": 1.0, "lmdb_write": 3.0}}
+    b = bt.bound(c, 256)
+    assert b["baseline_ms"] == pytest.approx(2.0) and b["lmdb_ms"] == pytest.approx(4.0)
+    assert b["serial"] == pytest.approx(2 / 6, abs=1e-3) and b["overlapped"] == pytest.approx(0.5)
+    c["ms_per_step"] = {"lmdb_read": 0.5, "lmdb_write": 0.5}
+    assert bt.bound(c, 256)["overlapped"] == pytest.approx(1.0)

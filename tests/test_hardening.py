@@ -145,7 +145,7 @@ def test_restore_hands_its_lock_to_the_store_it_opens(tmp_path):
         assert torch.equal(values(r), want)
     finally:
         r.close()
-    from hiermem.store import _HANDOFF
+    from hiermem.locks import HANDOFF as _HANDOFF
     assert not _HANDOFF
 
 
@@ -343,3 +343,45 @@ def test_disk_records_are_at_each_tables_own_width(tmp_path):
         env.close()
     assert sizes == {i: {4 * (t.dim + opt.state_width(t.dim))} for i, t in enumerate(tables)}
     assert np.dtype("<f4").itemsize == 4
+
+
+# -- lock files: one way of taking them, typed errors everywhere ---------------------------
+@pytest.mark.parametrize("who", ["open", "readonly", "restore"])
+def test_a_lock_file_that_is_a_directory_is_a_format_error_everywhere(tmp_path, who):
+    """The writer's open, a read-only open and restore all type a lock file's path that is
+    a directory as a foreign store (read-only opens raised a plain HierMemError)."""
+    s = make(tmp_path / "s")
+    train(s, 3)
+    s.checkpoint(tmp_path / "ck")
+    s.close()
+    name = READERS_LOCK if who in ("readonly", "restore") else "hiermem.lock"
+    (tmp_path / "s" / name).unlink(missing_ok=True)
+    (tmp_path / "s" / name).mkdir()
+    with pytest.raises(hm.StoreFormatError, match="is a directory"):
+        if who == "open":
+            hm.HierarchicalStore.open(tmp_path / "s")
+        elif who == "readonly":
+            hm.HierarchicalStore.open(tmp_path / "s", readonly=True)
+        else:
+            hm.HierarchicalStore.restore(tmp_path / "ck", tmp_path / "s")
+    assert (tmp_path / "s" / name).is_dir()  # nothing changed
+
+
+def test_an_unopenable_lock_file_is_a_typed_error(tmp_path):
+    """An OS error opening a lock file (here: a dangling symlink into a missing
+    directory) is a HierMemError naming the file, for restore too (it raised a raw
+    OSError)."""
+    from hiermem import locks
+
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "x.lock").symlink_to(tmp_path / "missing" / "x")
+    with pytest.raises(hm.HierMemError, match="cannot open the lock file x.lock"):
+        locks.take(d, "x.lock", True, "busy")
+    fd = locks.take(d, "y.lock", False, "busy")
+    try:  # shared locks share; an exclusive one is refused with the caller's words
+        os.close(locks.take(d, "y.lock", False, "busy"))
+        with pytest.raises(hm.HierMemError, match="busy"):
+            locks.take(d, "y.lock", True, "busy")
+    finally:
+        os.close(fd)

@@ -57,7 +57,7 @@ def test_a_write_after_the_read_ahead_drops_the_cached_copy(disk):
 def test_a_write_racing_the_read_ahead_is_not_served_stale(disk, monkeypatch):
     """The read-ahead's LMDB snapshot predates a write that commits before its records
     enter the cache: the keys written meanwhile are dropped, not served."""
-    cls, name = (lmdb_process.LmdbProcess, "read") if disk.io_process else (disk_mod.DiskTier, "_parse")
+    cls, name = (lmdb_process.LmdbProcess, "read") if disk.io_process else (disk_mod.DiskTier, "parse_records")
     real = getattr(cls, name)
     fired = []
 

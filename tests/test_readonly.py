@@ -56,7 +56,7 @@ def train(s, steps, seed):
 
 def records(s):
     """Table b's records as the training store holds them (its export, after a flush)."""
-    from hiermem.store import initial_records
+    from hiermem.rows import initial_records
 
     ids, rec = s.export("b")
     out = initial_records(TABLES[0], 0, 0, s.optimizer, torch.arange(300))

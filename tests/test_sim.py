@@ -103,7 +103,7 @@ def test_bad_traces_raise_typed_errors_naming_the_file(tmp_path):
 
 def test_recorder_splits_multi_table_batches_per_table(tmp_path):
     from hiermem.sim.trace import TraceRecorder
-    from hiermem.store import Batch
+    from hiermem.batches import Batch
 
     t = torch.tensor([0, 1, 0, 2, 1])
     k = torch.tensor([5, 7, 9, 1, 3])

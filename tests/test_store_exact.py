@@ -41,12 +41,13 @@ def grads_for(n: int, dim: int, seed: int) -> torch.Tensor:
 class StoreMachine(RuleBasedStateMachine):
     optimizer: hm.Optimizer = OPTIMIZERS[0]
     policy: str = "lru"
+    device: str = "cpu"  # tests/test_gpu.py runs the same machine with "cuda"
 
     @initialize()
     def setup(self):
         self.dir = tempfile.mkdtemp(prefix="hm-exact-")
         self.cfg = hm.StoreConfig(path=f"{self.dir}/s", device_rows=4, host_rows=16, policy=self.policy,
-                                  optimizer=self.optimizer, seed=3)
+                                  optimizer=self.optimizer, seed=3, device=self.device)
         self.store = hm.HierarchicalStore(TABLES, self.cfg)
         self.ref = FlatStore(TABLES, self.optimizer, seed=3)
         self.touched: dict[str, set[int]] = {s.name: set() for s in TABLES}
@@ -64,7 +65,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _compare(self, table, ids):
         t = torch.tensor(ids, dtype=torch.int64)
-        got = self.store.lookup(table, t)
+        got = self.store.lookup(table, t).cpu()
         want = self.ref.lookup(table, t)
         assert got.shape == (len(ids), DIMS[table])
         assert torch.allclose(got, want, atol=ATOL, rtol=1e-5), (table, ids, (got - want).abs().max())

@@ -164,14 +164,6 @@ def _exercise_dataplane(plane: str = "compiled") -> None:
                     emb.store.close()
 
 
-def available_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _child_env() -> dict:
     """The child's environment: this checkout's hiermem first on the path (not another
     install), and the flag that keeps its own import from warming up again."""
@@ -185,6 +177,8 @@ def _start_child() -> subprocess.Popen | None:
     """A child process compiling the placement decisions (``_exercise(0)``) and the data
     plane's kernels (:func:`_exercise_kernels`); None on one core, or if it cannot
     start."""
+    from ..overlap import available_cores
+
     if available_cores() < 2:
         return None
     try:

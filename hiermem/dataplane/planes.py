@@ -33,6 +33,7 @@ from typing import ClassVar
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import InvalidArgumentError, NonFiniteGradientError
 from ..optim import SGD, Adagrad, Adam, RowWiseAdagrad
@@ -57,10 +58,24 @@ class RowGrads:
     src: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     summed: torch.Tensor | None = None
+    d: object = None  # the batch's staged control arrays on the device (HierarchicalStore._stage)
+    defer: bool = False  # check finiteness on the device, without a host sync (see TorchPlane.check)
+    ok: torch.Tensor | None = None  # bool scalar on the device: every sum finite (a deferred check)
 
     def form(self) -> torch.Tensor:
         if self.summed is None:
-            self.summed = self.b.sum_rows(self.grad, self.src, self.scale)
+            d = self.d
+            if d is not None and "perm" in d.has and (self.src is None or "src" in d.has):
+                # the sorted order, run starts and bags staged with the placement: one
+                # embedding_bag on the device, no host round trip
+                w = None
+                if self.scale is not None:
+                    w = d.scale if "scale" in d.has else \
+                        self.scale.detach().to(self.grad.dtype).index_select(0, d.perm)
+                idx = d.perm if self.src is None else d.src
+                self.summed = F.embedding_bag(idx, self.grad.detach(), d.starts, mode="sum", per_sample_weights=w)
+            else:
+                self.summed = self.b.sum_rows(self.grad, self.src, self.scale)
         return self.summed
 
 
@@ -96,19 +111,26 @@ class TorchPlane(DataPlane):
     name = "torch"
 
     def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
-        dev = store._dev
+        dev, d = store._dev, p.dev
+        if d is not None:  # staged (CUDA): the device copies of the control arrays
+            inverse, offsets = d.inverse, d.offsets
         if p.on_device is None:
             if cols == dev.width:
-                src, idx = dev.data, p.slot.index_select(0, inverse)
+                src, idx = dev.data, (p.slot.index_select(0, inverse) if d is None else d.ids_slot)
             else:  # a column slice is not contiguous (embedding_bag would copy the whole
                 # tier): gather the batch's distinct rows, then pool from them
-                src, idx = dev.data.index_select(0, p.slot)[:, :cols], inverse
+                src, idx = dev.data.index_select(0, p.slot if d is None else d.slot)[:, :cols], inverse
         else:
             src, idx = store._gather(p, cols), inverse
-        return torch.nn.functional.embedding_bag(idx, src, offsets, mode=mode, per_sample_weights=psw)
+        return F.embedding_bag(idx, src, offsets, mode=mode, per_sample_weights=psw)
 
     def check(self, rg, what):
         g = rg.form()
+        if rg.defer:
+            # no host sync: apply() leaves every row as it was unless this flag is set,
+            # and the store reads it (raising then) at its next update or flush
+            rg.ok = torch.isfinite(g).all()
+            return
         # NaN/inf in any gradient survives the per-row sums (inf-inf is NaN), so one
         # reduction over the summed rows checks them all
         if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
@@ -120,17 +142,63 @@ class TorchPlane(DataPlane):
         groups: dict[tuple, list[int]] = defaultdict(list)
         for ti in present:
             groups[(store.tables[ti].dim, store.widths[ti], store._steps[ti])].append(ti)
+        t = b.t.numpy()
         for (dim, width, step), tis in groups.items():
-            sel = None if len(tis) == len(present) else torch.isin(b.t, torch.tensor(tis, device=b.t.device))
-            for tier, slots, idx in store._parts(p):
+            rows = None if len(tis) == len(present) else _rows_of(t, tis)
+            for tier, slots, idx, cslots in store._parts(p):
                 gi = g if idx is None else g.index_select(0, idx)
-                if sel is not None:
-                    si = sel if idx is None else sel.index_select(0, idx)
-                    slots, gi = slots[si.to(slots.device)], gi[si]
-                gi = gi[:, :dim].to(tier.device)
-                tier.update(slots, width, lambda data, rows, gi=gi, dim=dim, width=width, step=step:
-                            opt.apply_slots(data, rows, gi, dim, width, step))
-                tier.dirty[slots.cpu()] = True
+                if rows is not None:
+                    part = None if idx is None else np.flatnonzero(p.on_device.numpy() == (tier is store._dev))
+                    sel = _select(rows, part, g.device)
+                    if sel is None:
+                        continue
+                    sel_dev, sel_cpu = sel
+                    gi, cslots = gi.index_select(0, sel_dev), cslots.index_select(0, sel_cpu)
+                    slots = cslots if slots.device.type == "cpu" else slots.index_select(0, sel_dev)
+                gi = gi[:, :dim]
+                if tier.device.type != gi.device.type:  # rows on the host tier: updated by the CPU
+                    from .staging import to_host
+
+                    gi = to_host(gi, "host_tier_update")
+                ok = None if rg.ok is None else rg.ok.to(tier.device)
+                tier.update(slots, width, lambda data, rows, gi=gi, dim=dim, width=width, step=step, ok=ok:
+                            _apply_masked(opt, data, rows, gi, dim, width, step, ok))
+                tier.dirty[cslots] = True
+
+
+def _apply_masked(opt, data, slots, grad, dim, width, step, ok) -> None:
+    """``opt.apply_slots``; with ``ok`` (a bool scalar tensor) the rows keep their old
+    records unless it is set (the deferred finiteness check: no host sync)."""
+    if ok is None:
+        opt.apply_slots(data, slots, grad, dim, width, step)
+        return
+    view = data if width == data.shape[1] else data[:, :width]
+    old = view.index_select(0, slots)
+    rec = old.clone()
+    opt.apply(rec, grad, dim, step)
+    view.index_copy_(0, slots, torch.where(ok, rec, old))
+
+
+def _rows_of(t: np.ndarray, tis: list[int]) -> np.ndarray:
+    """Positions (ascending) of the distinct rows of tables ``tis`` in table codes ``t``."""
+    return np.flatnonzero(np.isin(t, np.asarray(tis, dtype=t.dtype)))
+
+
+def _select(rows: np.ndarray, part: np.ndarray | None, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where the batch's rows ``rows`` (CPU positions) sit within a part whose rows are
+    ``part`` (CPU positions; None: all): ``(on the device, on the CPU)``, None when
+    there are none.  On the device without a host copy when they are one run (a
+    table's rows are one run: a batch is sorted by table)."""
+    sel = rows if part is None else np.flatnonzero(np.isin(part, rows))
+    if sel.size == 0:
+        return None
+    sel_cpu = torch.from_numpy(sel)
+    cuts = np.flatnonzero(np.diff(sel) != 1) + 1
+    if cuts.size < 16:  # a few runs (a table's rows are one): aranges on the device, no copy
+        bounds = zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [sel.size])).tolist())
+        parts = [torch.arange(int(sel[a]), int(sel[b - 1]) + 1, device=device) for a, b in bounds]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), sel_cpu
+    return sel_cpu.to(device, non_blocking=True), sel_cpu
 
 
 def _np(x: torch.Tensor | None, empty: np.ndarray) -> np.ndarray:

@@ -46,7 +46,8 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, NonFiniteGradientError
 from ..features import SparseFeatures
-from ..store import HierarchicalStore, initial_records
+from ..rows import initial_records
+from ..store import HierarchicalStore
 from ..types import StoreConfig, TableSpec
 from .dist import all_gather_varlen, all_reduce, all_to_all, comm_device
 from .types import ShardingPlan, ShardingType

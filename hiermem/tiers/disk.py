@@ -198,9 +198,9 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         """Make the sub-databases of tables ``0..n-1`` that do not exist yet (no transaction
         of this thread may be open)."""
         for t in range(n):
-            self._db(t, create=True)
+            self.table_database(t, create=True)
 
-    def _db(self, table: int, create: bool = False):
+    def table_database(self, table: int, create: bool = False):
         """Table ``table``'s sub-database (made when ``create``), or None where it has none
         (nothing of it was ever written).  Opening one takes a transaction of its own: call
         it outside of any."""
@@ -357,7 +357,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
                 f, r = self._read(table, u[rest], width)
                 found[rest], out[rest] = f, r
                 return found, out
-        db = self._db(table)
+        db = self.table_database(table)
         if db is None:  # nothing of the table was ever written
             return found, out
         keys = key_list(su)
@@ -365,7 +365,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         res = self.snapshot_read(lambda txn: txn.cursor(db=db).getmulti(keys))
         with self._ahead_cv:  # a read-ahead (another thread) observes it too
             self.read_seconds.observe(time.perf_counter() - t0)
-        self._parse(res, table, width, su, order, found, out)
+        self.parse_records(res, table, width, su, order, found, out)
         return found, out
 
     def snapshot_read(self, fn: Callable[[lmdb.Transaction], object], doing: str = "read"):
@@ -388,7 +388,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             raise HierMemError(f"{self.path}: LMDB map resized repeatedly during a {doing}")
         return retry_read(self.path, attempt, doing)
 
-    def _parse(self, res, table, width, sids, order, found, out) -> None:
+    def parse_records(self, res, table, width, sids, order, found, out) -> None:
         """Fill ``found``/``out`` from getmulti's ``res`` for the sorted ids ``sids``, at
         ``order``'s positions (None: ``sids`` are the positions' own order)."""
         if not res:
@@ -446,7 +446,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             if len(u) > 1 and not bool((u[1:] > u[:-1]).all()):
                 order = np.argsort(u, kind="stable")  # in key order the B-tree's pages stay hot
                 u, rec = u[order], rec[order]
-            self._db(table, create=True)  # a table's first write makes its database (outside any transaction)
+            self.table_database(table, create=True)  # a table's first write makes its database (outside any transaction)
             out.append((table, u, rec))
             nbytes += rec.nbytes
         return _Queued(out, None if meta is None else self._meta_bytes(meta), nbytes)

@@ -250,15 +250,18 @@ class HostTier(SlotTier):
         self._layout(ccap)
 
     # -- records ---------------------------------------------------------------------------
-    def read(self, slots, cols: int) -> torch.Tensor:
+    def read(self, slots, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Records ``[n, cols]`` (CPU) of ``slots``: each its first ``min(width, cols)``
-        floats, zeros after."""
+        floats, zeros after; into ``out`` (float32 ``[n, cols]``, C-contiguous) if given."""
         if self.uniform:
             idx = slots if isinstance(slots, torch.Tensor) else torch.from_numpy(_i64(slots))
             src = self.data if cols == self.width else self.data[:, :cols]
-            return src.index_select(0, idx.cpu())
+            if out is None:
+                return src.index_select(0, idx.cpu())
+            return torch.index_select(src, 0, idx.cpu(), out=out)
         s = _i64(slots)
-        out = torch.empty((s.size, cols), dtype=torch.float32)
+        if out is None:
+            out = torch.empty((s.size, cols), dtype=torch.float32)
         gather_records(self.arena.numpy(), self.hoff, self.hcls, self.cw, s, out.numpy())
         return out
 

@@ -133,7 +133,7 @@ class ReadAhead:
                     self.bytes_read += int(found.sum()) * rec.shape[1] * 4
                 return [_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool))
                         for (table, ids, _), (found, rec) in zip(groups, got)]
-        dbs = [self._db(table) for table, _, _ in groups]  # before the transaction: opening one takes its own
+        dbs = [self.table_database(table) for table, _, _ in groups]  # before the transaction: opening one takes its own
         chunks = []
         with self.env.begin(buffers=False) as txn:
             for (table, ids, width), db in zip(groups, dbs):
@@ -144,7 +144,7 @@ class ReadAhead:
                     res = txn.cursor(db=db).getmulti(key_list(ids))
                     with self._ahead_cv:
                         self.read_seconds.observe(time.perf_counter() - t0)
-                    self._parse(res, table, width, ids, None, found, rec)
+                    self.parse_records(res, table, width, ids, None, found, rec)
                 chunks.append(_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool)))
         return chunks
 

@@ -1,0 +1,58 @@
+"""Validation of a caller's table names and ids, shared by the store and its read-only
+readers: a clear, typed error, before anything changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .dataplane.batch import minmax
+from .dataplane.staging import to_host
+from .errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, UnknownTableError
+from .types import TableSpec
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def table_index(index: dict[str, int], table: str) -> int:
+    """``index[table]`` (table name -> position).
+
+    Raises:
+        UnknownTableError: no table of that name.
+    """
+    try:
+        return index[table]
+    except (KeyError, TypeError):
+        raise UnknownTableError(f"unknown table {table!r}; tables are {list(index)}") from None
+
+
+def check_ids(spec: TableSpec, ids) -> torch.Tensor:
+    """``ids`` of table ``spec`` (a 1-D integer tensor or numpy array) as int64 on the CPU,
+    where the control plane reads them (the one inherent device-to-host copy of a step
+    when the caller's ids are on a GPU).
+
+    Raises:
+        InvalidTypeError: not a tensor or array, or not integers.
+        InvalidArgumentError: not 1-D.
+        InvalidIdError: an id is negative or past the table's rows.
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise InvalidTypeError(f"ids must be integers, got numpy {ids.dtype}")
+        if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
+            raise InvalidIdError(f"table {spec.name}: ids above 2**63-1")
+        ids = torch.from_numpy(ids.astype(np.int64, copy=False))
+    if not isinstance(ids, torch.Tensor):
+        raise InvalidTypeError(f"ids must be a torch.Tensor or numpy array, got {type(ids).__name__}")
+    if ids.dtype not in _INT_DTYPES:
+        raise InvalidTypeError(f"ids must have an integer dtype, got {ids.dtype}")
+    if ids.dim() != 1:
+        raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    ids = to_host(ids, "ids").to(torch.int64)
+    if ids.numel():
+        lo, hi = minmax(ids.contiguous().numpy())
+        if lo < 0 or hi > spec.max_id:
+            bad = lo if lo < 0 else hi
+            rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
+            raise InvalidIdError(f"table {spec.name}: id {bad} outside {rng}")
+    return ids

@@ -96,9 +96,10 @@ class StagedOps:
         self._count_moves(nu, nd, nb)
 
     def _settle_host(self) -> None:
-        """Land the rows copied down by earlier plans in the host tier's tensor; before the
-        CPU reads or writes it.  Waits for those copies (normally long done: they were
-        queued a step or more ago; counted in ``hiermem.dataplane.staging.WAITS``)."""
+        """Land the rows copied down by earlier plans in the host tier (in the records
+        their plan assigned them); before the CPU reads or writes it.  Waits for those
+        copies (normally long done: they were queued a step or more ago; counted in
+        ``hiermem.dataplane.staging.WAITS``)."""
         while self._pending_down:
             ev, rows, dst = self._pending_down.pop(0)
             inherent_wait(ev, "host_tier_read")

@@ -78,8 +78,9 @@ STORES = MetricsRegistry()
 class _TierSnap:
     label: str
     capacity: int
-    width: int
     resident: list[int]  # rows per table
+    occupied_bytes: int  # of the resident rows' records (host: each at its table's width)
+    capacity_bytes: int  # of record storage allocated
     dirty: int
     pinned: int
 
@@ -111,8 +112,9 @@ def snapshot(store) -> _Snap | None:
         for tier in store.slot_tiers:
             # numpy, single-threaded: no contention with the training step's torch thread pool
             kt, dirty, pins = (x.cpu().numpy() for x in (tier.keys_t, tier.dirty, tier.pins))
-            tiers.append(_TierSnap(tier.tier.label, tier.capacity, tier.width,
-                                   np.bincount(kt + 1, minlength=n + 1)[1:].tolist(),
+            resident = np.bincount(kt + 1, minlength=n + 1)[1:].tolist()
+            tiers.append(_TierSnap(tier.tier.label, tier.capacity, resident,
+                                   tier.occupied_bytes(resident, store.widths), tier.record_bytes(),
                                    int(np.count_nonzero(dirty)), int(np.count_nonzero(pins))))
         disk = store.disk
         info, psize = disk.env.info(), disk.env.stat()["psize"]
@@ -242,9 +244,11 @@ class StoreCollector(Collector):
         resident = g("hiermem_resident_rows", "Rows resident per table in the device and host tiers.",
                      ["store", "table", "tier"])
         occ = g("hiermem_occupancy_rows", "Occupied slots of the tier (disk: rows in LMDB).", ["store", "tier"])
-        occ_b = g("hiermem_occupancy_bytes", "Bytes of occupied slots (disk: LMDB pages in use).", ["store", "tier"])
+        occ_b = g("hiermem_occupancy_bytes", "Bytes of the resident rows' records (host: each at its table's width; "
+                  "disk: LMDB pages in use).", ["store", "tier"])
         cap = g("hiermem_capacity_rows", "Slots of the tier.", ["store", "tier"])
-        cap_b = g("hiermem_capacity_bytes", "Bytes of the tier's slots (disk: the LMDB map size).", ["store", "tier"])
+        cap_b = g("hiermem_capacity_bytes", "Bytes of the tier's record storage (host: its per-width pools as allocated; "
+                  "disk: the LMDB map size).", ["store", "tier"])
         dirty = g("hiermem_dirty_rows", "Resident rows changed since last written to LMDB.", ["store", "tier"])
         pinned = g("hiermem_pinned_rows", "Rows pinned in the tier (pressure = pinned / capacity rows).",
                    ["store", "tier"])
@@ -254,9 +258,9 @@ class StoreCollector(Collector):
                     resident.add_metric([name, table, t.label], n)
                 rows = sum(t.resident)
                 occ.add_metric([name, t.label], rows)
-                occ_b.add_metric([name, t.label], rows * t.width * 4)
+                occ_b.add_metric([name, t.label], t.occupied_bytes)
                 cap.add_metric([name, t.label], t.capacity)
-                cap_b.add_metric([name, t.label], t.capacity * t.width * 4)
+                cap_b.add_metric([name, t.label], t.capacity_bytes)
                 dirty.add_metric([name, t.label], t.dirty)
                 pinned.add_metric([name, t.label], t.pinned)
             occ.add_metric([name, "disk"], s.disk_rows)

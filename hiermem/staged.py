@@ -49,8 +49,8 @@ class StagedOps:
         the compute stream's queued work: one copy up, the evicted device rows gathered
         and copied down into pinned memory, the rows up written into their slots; the
         compute stream then waits for the side stream (on the device, not the host).
-        The rows going down land in the host tier's tensor only when the CPU next needs
-        it (:meth:`_settle_host`), so no step waits for its own evictions.
+        The rows going down land in the host tier (in records it assigns them now) only when
+        the CPU next needs it (:meth:`_settle_host`), so no step waits for its own evictions.
         """
         dev, host, dd = self._dev, self._host, self.device
         nu, nd, nb = int(res[_plan.N_UP]), int(res[_plan.N_DN]), int(res[_plan.NB])
@@ -65,7 +65,9 @@ class StagedOps:
         if up_rows:
             buf = self._rows_ring.take(up_rows * self.width).view(up_rows, self.width)
             if nu:
-                torch.index_select(host.data, 0, torch.from_numpy(ws[_plan.UP_SRC, :nu].copy()), out=buf[:nu])
+                up_src = torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())
+                host.read(up_src, self.width, out=buf[:nu])
+                host.release(up_src)
             if nb:
                 buf[nu:] = rec_disk[:nb]
         with self._copies as cs:
@@ -74,27 +76,34 @@ class StagedOps:
             if buf is not None:
                 up = buf.to(dd, non_blocking=True)
                 self._rows_ring.done(buf)
+            if res[_plan.N_VH]:  # host victims gone to disk give back their records (unless refilled)
+                host.release(ws[_plan.VH, :int(res[_plan.N_VH])])
             if nd:
+                dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
+                host.assign(dn_dst)  # records now; the rows land in them at _settle_host
                 down = dev.data.index_select(0, d.dn_src)
                 pinned = torch.empty(down.shape, dtype=torch.float32, pin_memory=dd.type == "cuda")
                 pinned.copy_(down, non_blocking=True)
-                self._pending_down.append((cs.event(), pinned, torch.from_numpy(ws[_plan.DN_DST, :nd].copy())))
+                self._pending_down.append((cs.event(), pinned, dn_dst))
             if nu:
                 dev.data.index_copy_(0, d.up_dst, up[:nu])
             if nb:
                 dev.data.index_copy_(0, d.new_dst, up[nu:])
         if n > nb:
-            host.data.index_copy_(0, torch.from_numpy(new_dst[nb:]) - host.base, rec_disk[nb:])
+            hs = torch.from_numpy(new_dst[nb:]) - host.base
+            host.assign(hs)
+            host.write(hs, rec_disk[nb:])
         self._count_moves(nu, nd, nb)
 
     def _settle_host(self) -> None:
-        """Land the rows copied down by earlier plans in the host tier's tensor; before the
-        CPU reads or writes it.  Waits for those copies (normally long done: they were
-        queued a step or more ago; counted in ``hiermem.dataplane.staging.WAITS``)."""
+        """Land the rows copied down by earlier plans in the host tier (in the records
+        their plan assigned them); before the CPU reads or writes it.  Waits for those
+        copies (normally long done: they were queued a step or more ago; counted in
+        ``hiermem.dataplane.staging.WAITS``)."""
         while self._pending_down:
             ev, rows, dst = self._pending_down.pop(0)
             inherent_wait(ev, "host_tier_read")
-            self._host.data.index_copy_(0, dst, rows)
+            self._host.write(dst, rows)
 
     def _extras(self, b: Batch, offsets: torch.Tensor | None = None, bag: torch.Tensor | None = None,
                 scale: torch.Tensor | None = None) -> dict | None:

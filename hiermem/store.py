@@ -45,7 +45,7 @@ from .staged import StagedOps
 from . import locks, validate
 from .checkpoint import Checkpointing
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
-from .tiers import DiskTier, SlotTier
+from .tiers import DiskTier, HostTier, SlotTier
 from .tiers.slots import Rows, by_table, by_tier
 from .types import StoreConfig, TableSpec, Tier
 
@@ -109,7 +109,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         cuda = torch.cuda.is_available()
         self._keys = make_index(config.device_rows + config.host_rows, [s.num_rows for s in tables])
         self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy, base=0)
-        self._host = SlotTier(Tier.HOST, config.host_rows, self.width, torch.device("cpu"), self.policy,
+        self._host = HostTier(config.host_rows, self.widths, [s.num_rows for s in tables], self.policy,
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
         # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
@@ -414,7 +414,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
                 s = torch.from_numpy(slots)
                 if tier is self._host:
                     self._settle_host()
-                    rec = tier.data.index_select(0, s)
+                    rec = tier.read(s, self.width)
                 else:
                     rec = to_host(tier.data.index_select(0, s.to(tier.device, non_blocking=True)), "evict_to_disk")
                 parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s), rec))
@@ -424,18 +424,26 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
     def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
         """The data plane of a committed plan on a CPU store: records host -> device,
         device -> host (gathered before either side is overwritten), then disk records
-        into place (:meth:`_move_staged` is the staged form, CUDA's)."""
+        into place (:meth:`_move_staged` is the staged form, CUDA's).  Host slots emptied
+        by the plan give back their records and those filled get one of their row's width
+        (:class:`~hiermem.tiers.HostTier`) before anything is written."""
         dev, host, dd = self._dev, self._host, self.device
         nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
         up = down = None
         if nu:
-            up = host.data.index_select(0, torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())).to(dd, non_blocking=True)
+            up_src = torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())
+            up = host.read(up_src, self.width).to(dd, non_blocking=True)
+            host.release(up_src)
+        if res[_plan.N_VH]:  # host victims gone to disk (their slots, unless refilled, give back their records)
+            host.release(ws[_plan.VH, :int(res[_plan.N_VH])])
         if nd:
             down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
         if nu:
             dev.data.index_copy_(0, torch.from_numpy(ws[_plan.UP_DST, :nu].copy()).to(dd), up)
         if nd:
-            host.data.index_copy_(0, torch.from_numpy(ws[_plan.DN_DST, :nd].copy()), down)
+            dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
+            host.assign(dn_dst)
+            host.write(dn_dst, down)
         self._count_moves(nu, nd, int(res[_plan.NB]))
         if rec_disk is None:
             return
@@ -444,7 +452,9 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         if nb:
             dev.data.index_copy_(0, dst[:nb].to(dd), rec_disk[:nb].to(dd))
         if n > nb:
-            host.data.index_copy_(0, dst[nb:] - host.base, rec_disk[nb:])
+            hs = dst[nb:] - host.base
+            host.assign(hs)
+            host.write(hs, rec_disk[nb:])
 
     def _count_moves(self, nu: int, nd: int, nb: int) -> None:
         w = self.width * 4
@@ -473,11 +483,11 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         if d is None:
             di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
             out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
-            out[hi] = self._host.data[:, :cols].index_select(0, p.slot[hi])
+            out[hi] = self._host.read(p.slot[hi], cols).to(self.device)
             return out
         # the host rows: gathered on the CPU into pinned memory, one copy up
         rows = self._rows_ring.take(d.host_slot.numel() * cols).view(-1, cols)
-        torch.index_select(self._host.data[:, :cols], 0, d.host_slot, out=rows)
+        self._host.read(d.host_slot, cols, out=rows)
         out.index_copy_(0, d.dev_idx, dev.data[:, :cols].index_select(0, d.dev_slot))
         out.index_copy_(0, d.host_idx, rows.to(self.device, non_blocking=True))
         self._rows_ring.done(rows)
@@ -509,11 +519,9 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
 
     def _scatter(self, p: Placement, rec: torch.Tensor) -> None:
         """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
-        w = rec.shape[1]
         for tier, slots, idx, cslots in self._parts(p):
             r = rec if idx is None else rec.index_select(0, idx.to(rec.device))
-            dst = tier.data if w == tier.width else tier.data[:, :w]
-            dst.index_copy_(0, slots, r.to(tier.device))
+            tier.write(slots, r.to(tier.device))
             tier.dirty[cslots] = True
 
     # -- public API -----------------------------------------------------------------
@@ -695,8 +703,9 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             for tier, slots, idx, cslots in self._parts(p):
                 gi = g if idx is None else g.index_select(0, idx).to(tier.device)
                 si = st if idx is None else st.index_select(0, idx).to(tier.device)
-                self.optimizer.apply_slots_with_row_stat(tier.data, slots, gi, dim, self.widths[ti],
-                                                         self._steps[ti], si)
+                w, step = self.widths[ti], self._steps[ti]
+                tier.update(slots, w, lambda data, rows, gi=gi, si=si, w=w, step=step:
+                            self.optimizer.apply_slots_with_row_stat(data, rows, gi, dim, w, step, si))
                 tier.dirty[cslots] = True
             self.counters.add_io(IO.UPDATES, 1)
             self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
@@ -731,8 +740,8 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             for tier in (self._dev, self._host):
                 s = tier.dirty.nonzero().squeeze(1)
                 parts.append((tier, s))
-            rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.data[s].cpu(), tier.dirty[s].cpu())
-                    for tier, s in parts]
+            rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.read(s, self.width).cpu(),
+                         tier.dirty[s].cpu()) for tier, s in parts]
             allrows = Rows(*(torch.cat([getattr(r, f) for r in rows]) for f in ("t", "k", "rec", "dirty")))
             self._flush_seq += 1  # the number read-only handles report (recorded with the rows)
             try:
@@ -814,6 +823,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
                 "device_capacity": self._dev.capacity, "host_capacity": self._host.capacity,
                 "device_occupancy": self._dev.occupancy, "host_occupancy": self._host.occupancy,
                 "device_dirty": int(self._dev.dirty.sum()), "host_dirty": int(self._host.dirty.sum()),
+                "device_record_bytes": self._dev.record_bytes(), "host_record_bytes": self._host.record_bytes(),
                 "disk_rows": self._disk.count() if not self._closed else None,
                 "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
                 "disk_read_ahead_rows": self._disk.ahead_rows, "disk_read_ahead_hits": self._disk.ahead_hits,
@@ -830,7 +840,8 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         """Check the internal invariants (a debugging aid; O(capacity)).
 
         Every resident row is in exactly one slot of one tier, the index maps it there,
-        and the index holds nothing else; pin counts sit on occupied slots only, and each
+        and the index holds nothing else; every host row has a record of its width of
+        its own; pin counts sit on occupied slots only, and each
         tier's count of pinned slots matches its pins.
 
         Raises:
@@ -854,6 +865,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             assert bool((self._keys.find(t, k) == g).all()), "index does not map a resident row to its slot"
             pairs = torch.stack((t, k), 1)
             assert torch.unique(pairs, dim=0).shape[0] == t.numel(), "a row is resident twice"
+            self._host.check()
 
     @property
     def closed(self) -> bool:

@@ -8,9 +8,14 @@ closes it (a flush), and reports per table width:
 * disk: the bytes LMDB's B-tree pages hold per row of that table (each table's keys are
   contiguous in key order, so its leaf pages hold only its rows; measured on a store of
   that table alone, same rows), and the value length LMDB stores for its rows;
-* host: the bytes one host-tier slot takes (the slot array is padded to the widest
-  record, so every table's row costs the same), and what a per-width host tier would
-  take (the record).
+* host: measured from the store's own allocations: a mixed store (all 21 tables) whose
+  host tier is filled with rows of that table alone, its record storage
+  (``stats()["_store"]["host_record_bytes"]``: the per-width pools as allocated) over
+  the rows it holds; and the per-slot bookkeeping every host slot pays whatever its row
+  (keys, dirty bit, pins, policy score, record offset and class).
+
+Also the host bytes per row of the mixed store after writing every table (its host
+tier then holds rows of all widths).
 
 The last line is one JSON object.
 
@@ -41,10 +46,15 @@ def tables() -> list[hm.TableSpec]:
     return [hm.TableSpec("wide", None, 128)] + [hm.TableSpec(f"narrow{i}", None, 8) for i in range(20)]
 
 
-def build(path: Path, specs: list[hm.TableSpec], rows: int, opt) -> hm.HierarchicalStore:
-    s = hm.HierarchicalStore(specs, hm.StoreConfig(path=path, device_rows=1024, host_rows=4096, optimizer=opt))
+DEVICE_ROWS, HOST_ROWS = 1024, 4096
+
+
+def build(path: Path, specs: list[hm.TableSpec], rows: int, opt, only: hm.TableSpec | None = None
+          ) -> hm.HierarchicalStore:
+    s = hm.HierarchicalStore(specs, hm.StoreConfig(path=path, device_rows=DEVICE_ROWS, host_rows=HOST_ROWS,
+                                                   optimizer=opt))
     g = torch.Generator().manual_seed(0)
-    for t in specs:
+    for t in specs if only is None else [only]:
         for i in range(0, rows, 2048):
             ids = torch.arange(i, min(rows, i + 2048)) * 7919  # spread over the id space
             s.write(t.name, ids, torch.randn(ids.numel(), t.dim, generator=g))
@@ -76,6 +86,15 @@ def pages_per_row(st: dict) -> float:
     return (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"] / max(1, st["entries"])
 
 
+def host_bytes(s: hm.HierarchicalStore) -> tuple[float, float, float]:
+    """Per resident host row: record bytes allocated (the pools, with their growth slack)
+    and the bytes of those rows' records; bookkeeping bytes per host slot."""
+    st = s.stats()
+    n, alloc = st["_store"]["host_occupancy"], st["_store"]["host_record_bytes"]
+    held = s._host.occupied_bytes([st[t.name]["host"]["occupancy"] for t in s.tables], s.widths)
+    return alloc / max(1, n), held / max(1, n), (s._host.nbytes() - alloc) / s._host.capacity
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=20_000, help="rows written per table")
@@ -86,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"optimizer": a.optimizer, "rows_per_table": a.rows, "tables": "1 x 128-dim + 20 x 8-dim", "widths": {}}
     with tempfile.TemporaryDirectory() as d:
         s = build(Path(d) / "mixed", specs, a.rows, opt)
-        host_slot = s._host.data.shape[1] * s._host.data.element_size()
+        (out["mixed_host_bytes_per_row"], out["mixed_host_record_bytes_per_row"],
+         out["host_slot_bookkeeping_bytes"]) = host_bytes(s)
         s.close()
         st, lens = lmdb_stats(Path(d) / "mixed")
         out["mixed_disk_bytes_per_row"] = pages_per_row(st)
@@ -96,15 +116,22 @@ def main(argv: list[str] | None = None) -> int:
             sst, _ = lmdb_stats(Path(d) / t.name)
             ti = specs.index(t)
             rec = 4 * (t.dim + opt.state_width(t.dim))
+            one = build(Path(d) / f"host-{t.name}", specs, DEVICE_ROWS + HOST_ROWS, opt, only=t)
+            assert one.stats()[t.name]["host"]["occupancy"] == HOST_ROWS
+            host_row, _, _ = host_bytes(one)
+            one.close()
             out["widths"][t.dim] = {"record_bytes": rec, "disk_value_bytes": sorted(lens[ti]),
-                                    "disk_bytes_per_row": pages_per_row(sst), "host_slot_bytes": host_slot,
-                                    "host_bytes_per_width_pool": rec}
+                                    "disk_bytes_per_row": pages_per_row(sst), "host_bytes_per_row": host_row,
+                                    "padded_host_bytes_per_row": 4 * max(s.widths)}
     for dim, w in out["widths"].items():
         print(f"{dim:4d}-dim: record {w['record_bytes']:5d} B | disk value {w['disk_value_bytes']} B, "
-              f"{w['disk_bytes_per_row']:7.1f} B/row with LMDB's pages | host slot {w['host_slot_bytes']:5d} B "
-              f"(per-width pool: {w['host_bytes_per_width_pool']} B, "
-              f"{w['host_slot_bytes'] / w['host_bytes_per_width_pool']:.1f}x less)")
-    print(f"mixed store: {out['mixed_disk_bytes_per_row']:.1f} disk B/row over all tables")
+              f"{w['disk_bytes_per_row']:7.1f} B/row with LMDB's pages | host {w['host_bytes_per_row']:7.1f} B/row "
+              f"(padded to the widest record: {w['padded_host_bytes_per_row']} B, "
+              f"{w['padded_host_bytes_per_row'] / w['host_bytes_per_row']:.1f}x more)")
+    print(f"every host slot: {out['host_slot_bookkeeping_bytes']:.0f} B of bookkeeping besides its record")
+    print(f"mixed store: {out['mixed_disk_bytes_per_row']:.1f} disk B/row over all tables; over the rows its host "
+          f"tier holds, {out['mixed_host_record_bytes_per_row']:.1f} B/row of their records, "
+          f"{out['mixed_host_bytes_per_row']:.1f} B/row allocated (pools grow by doubling)")
     print(json.dumps(out))
     return 0
 

@@ -97,22 +97,41 @@ def _exercise_kernels(part: int | None = None) -> None:
 
     f32, i64 = np.float32, np.int64
     dev, host = np.zeros((4, 12), dtype=f32), np.zeros((8, 12), dtype=f32)
+    hoff = np.zeros(0, dtype=i64)  # a host tier of one record width (mixed widths compile on first use)
     gslot = np.array([0, 5], dtype=i64)  # a device row and a host row
     src = np.array([0, 0, 1], dtype=i64)  # positions' bags
     if part in (None, 0):
-        K.pool(dev, host, 4, gslot, np.array([0, 1, 1], dtype=i64), np.array([0, 2], dtype=i64), 3,
+        K.pool(dev, host, hoff, 4, gslot, np.array([0, 1, 1], dtype=i64), np.array([0, 2], dtype=i64), 3,
                np.zeros(0, dtype=f32), False, np.zeros((2, 4), dtype=f32))
     grad = np.ones((2, 4), dtype=f32)
     opts = {0: (SGD(lr=0.1), Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1)), 1: (Adam(lr=0.1),)}
     for opt in opts.get(part, opts[0] + opts[1]):
         kernel, params = FUSED[type(opt)]
         hp, coef = params(opt, np.ones(1, dtype=i64))
-        kernel(dev, host, 4, np.zeros(4, dtype=np.bool_), np.zeros(8, dtype=np.bool_), gslot, np.zeros(2, dtype=i64),
+        kernel(dev, host, hoff, 4, np.zeros(4, dtype=np.bool_), np.zeros(8, dtype=np.bool_), gslot, np.zeros(2, dtype=i64),
                np.array([4], dtype=i64), np.arange(3, dtype=i64), np.array([0, 1], dtype=i64),
                np.array([1, 2], dtype=i64), np.array([0, 2], dtype=i64), src, grad, np.zeros(0, dtype=f32),
                np.zeros(0, dtype=f32) if coef is None else coef, *hp)
     if part in (None, 1):
         K.max_abs(grad, 2, 4, 1)
+        _exercise_host()
+
+
+def _exercise_host() -> None:
+    """The host tier's record pools (mixed widths): assign, write, read, release."""
+    import torch
+
+    from ..eviction import PolicySpec
+    from ..tiers.host import HostTier
+
+    h = HostTier(2, [4, 12], [1, None], PolicySpec("lru"), base=4)
+    s = np.array([0, 1], dtype=np.int64)
+    h.state[0][:] = [0, 1]
+    h.assign(s)
+    h.write(s, torch.ones((2, 12)))
+    h.read(s, 12)
+    h.state[0][:] = -1
+    h.release(s)
 
 
 def _exercise_dataplane(plane: str = "compiled") -> None:

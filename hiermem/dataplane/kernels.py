@@ -1,8 +1,15 @@
 """The CPU data plane's compiled kernels: pooled lookup and the fused backward-optimizer.
 
-Every kernel works straight on the tiers' record arrays (float32 ``[capacity, width]``,
-C-contiguous): the device tier's ``dev`` and the host tier's ``host``, a row of the
-batch named by its *global* slot ``g`` (``g < cap``: ``dev[g]``, else ``host[g - cap]``).
+Every kernel works straight on the tiers' record storage: the device tier's ``dev``
+(float32 ``[capacity, width]``, C-contiguous) and the host tier's ``host``, whose records
+are at each table's own width (:class:`~hiermem.tiers.HostTier`): with several widths
+``host`` is a float-stride view of its storage (``host[o, c]`` is its ``o + c``-th
+float) and host slot ``s``'s record starts at row ``hoff[s]``; with one width (the
+common case) ``host`` is the tier's ``[H, W]`` array and ``hoff`` is empty (no load per
+id: measured, a ``hoff`` load per id cost the lookup 30-50%).  A row of the batch is
+named by its *global* slot ``g`` (``g < cap``: ``dev[g]``, else ``host[hoff[g - cap]]``
+or ``host[g - cap]``).  The two host layouts are two compiled copies of each kernel
+(the mixed-width one compiles at the first mixed-width batch, then is cached).
 No ``[n, dim]`` (per id) nor ``[U, dim]`` (per distinct row) intermediate is formed:
 the lookup pools each bag into its output row, and the backward sums each distinct
 row's gradient in a ``dim``-float buffer and applies the optimizer to the record in
@@ -28,7 +35,10 @@ one float32 ulp per operation.
 
 Argument conventions (shared by the optimizer kernels):
 
-* ``dev, host``: float32 ``[C, W]`` and ``[H, W]``; ``cap``: C (int64);
+* ``dev, host``: float32 ``[C, W]``; ``host`` float32 ``[H, W]`` C-contiguous (records
+  of one width) or ``[*, W]`` (the host's float-stride view, mixed widths);
+  ``hoff``: int64 ``[H]`` each host slot's record's row of ``host``, or empty (one
+  width: slot ``s`` at row ``s``); ``cap``: C (int64);
 * ``dev_dirty, host_dirty``: bool ``[C]`` / ``[H]``, set for every updated row;
 * ``gslot``: int64 ``[U]`` global slot of each distinct row; ``t``: int64 ``[U]`` its
   table; ``dims``: int64 ``[T]`` each table's dim (its record is
@@ -76,12 +86,20 @@ def scratch(cols):
 
 
 @serial
-def prefetch_slot(dev, host, cap, g, nbytes):
+def hrow(host, hoff, cap, g):
+    """The row of ``host`` where global slot ``g``'s record starts: ``hoff[g - cap]``, or
+    with ``hoff`` empty (every record one width, ``host`` the tier's ``[H, W]`` array)
+    ``g - cap``."""
+    return hoff[g - cap] if hoff.size > 0 else g - cap
+
+
+@serial
+def prefetch_slot(dev, host, hoff, cap, g, nbytes):
     """Prefetch the first ``nbytes`` of global slot ``g``'s record."""
     if g < cap:
         prefetch_row(dev, g, nbytes)
     else:
-        prefetch_row(host, g - cap, nbytes)
+        prefetch_row(host, hrow(host, hoff, cap, g), nbytes)
 
 
 @serial
@@ -110,7 +128,7 @@ BAG_CHUNK = 64
 
 
 @serial
-def pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols):
+def pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols):
     """Bags ``lo:hi`` of :func:`pool` (``cols`` a constant in the specialised callers)."""
     nb = out.shape[0]
     weighted = scale.size > 0
@@ -123,13 +141,13 @@ def pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, 
             acc[c] = np.float32(0.0)
         for j in range(s, e):
             if j + AHEAD < n:
-                prefetch_slot(dev, host, cap, gslot[inverse[j + AHEAD]], nbytes)
+                prefetch_slot(dev, host, hoff, cap, gslot[inverse[j + AHEAD]], nbytes)
             g = gslot[inverse[j]]
             w = scale[j] if weighted else np.float32(1.0)
             if g < cap:
                 add_row(acc, dev, g, cols, weighted, w)
             else:
-                add_row(acc, host, g - cap, cols, weighted, w)
+                add_row(acc, host, hrow(host, hoff, cap, g), cols, weighted, w)
         if mean and e > s:
             ln = np.float32(e - s)
             for c in range(cols):
@@ -139,7 +157,7 @@ def pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, 
 
 
 @parallel
-def pool(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out):
+def pool(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out):
     """Pooled rows: ``out[b, :cols] = sum_j rec(gslot[inverse[j]])[:cols] * scale[j]`` over
     bag ``b``'s positions (``/ len`` when ``mean``; an empty bag pools to zeros).
 
@@ -151,11 +169,11 @@ def pool(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out):
         lo = ch * BAG_CHUNK
         hi = min(nb, lo + BAG_CHUNK)
         if cols == W16:
-            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W16)
+            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W16)
         elif cols == W64:
-            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W64)
+            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W64)
         else:
-            pool_bags(dev, host, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols)
+            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols)
 
 
 @serial
@@ -193,11 +211,11 @@ def row_grad(acc, dim, perm, q0, cnt, src, grad, scale):
 
 
 @serial
-def next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, end, nbytes):
+def next_row(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, u, end, nbytes):
     """Prefetch the record (and dirty flag) of distinct row ``u + AHEAD`` (if ``< end``)."""
     if u + AHEAD < end:
         g = gslot[u + AHEAD]
-        prefetch_slot(dev, host, cap, g, nbytes)
+        prefetch_slot(dev, host, hoff, cap, g, nbytes)
         if g < cap:
             prefetch_item(dev_dirty, g)
         else:
@@ -224,13 +242,13 @@ def uniform_dim(t, dims):
 
 
 @serial
-def sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad, scale,
+def sgd_rows(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad, scale,
              nlr, nbytes, wdim):
     """Distinct rows ``lo:hi`` of :func:`sgd`; ``wdim``: every row's dim (a constant in the
     specialised callers), or 0 (each row's table's)."""
     acc = scratch(grad.shape[1] if wdim == 0 else wdim)
     for u in range(lo, hi):
-        next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, hi, nbytes)
+        next_row(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, u, hi, nbytes)
         dim = wdim if wdim > 0 else dims[t[u]]
         row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
         g = gslot[u]
@@ -239,11 +257,11 @@ def sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts
             sgd_row(dev, g, acc, dim, nlr)
         else:
             host_dirty[g - cap] = True
-            sgd_row(host, g - cap, acc, dim, nlr)
+            sgd_row(host, hrow(host, hoff, cap, g), acc, dim, nlr)
 
 
 @parallel
-def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
+def sgd(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
         coef, lr):
     """SGD in place: ``w -= lr * g`` (see the module docstring for the arguments)."""
     nlr = np.float32(-lr)
@@ -252,13 +270,13 @@ def sgd(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, cou
     for task in prange(bounds.size - 1):
         lo, hi = bounds[task], bounds[task + 1]
         if wd == W16:
-            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+            sgd_rows(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
                      scale, nlr, nbytes, W16)
         elif wd == W64:
-            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+            sgd_rows(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
                      scale, nlr, nbytes, W64)
         else:
-            sgd_rows(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
+            sgd_rows(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, lo, hi, src, grad,
                      scale, nlr, nbytes, 0)
 
 
@@ -272,7 +290,7 @@ def adagrad_row(rec, r, acc, dim, nlr, e):
 
 
 @parallel
-def adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
+def adagrad(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
             coef, lr, eps):
     """Adagrad in place: ``acc += g*g; w -= lr * g / (sqrt(acc) + eps)`` element-wise,
     ``acc`` at ``rec[dim:2*dim]``."""
@@ -281,7 +299,7 @@ def adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts,
     for task in prange(bounds.size - 1):
         acc = scratch(grad.shape[1])
         for u in range(bounds[task], bounds[task + 1]):
-            next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
+            next_row(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
             dim = dims[t[u]]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
             g = gslot[u]
@@ -290,7 +308,7 @@ def adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts,
                 adagrad_row(dev, g, acc, dim, nlr, e)
             else:
                 host_dirty[g - cap] = True
-                adagrad_row(host, g - cap, acc, dim, nlr, e)
+                adagrad_row(host, hrow(host, hoff, cap, g), acc, dim, nlr, e)
 
 
 @serial
@@ -306,7 +324,7 @@ def rowwise_adagrad_row(rec, r, acc, dim, nlr, e):
 
 
 @parallel
-def rowwise_adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad,
+def rowwise_adagrad(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad,
                     scale, coef, lr, eps):
     """Row-wise Adagrad in place: ``acc += mean(g*g); w -= lr * g / (sqrt(acc) + eps)``,
     ``acc`` at ``rec[dim]``."""
@@ -315,7 +333,7 @@ def rowwise_adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm,
     for task in prange(bounds.size - 1):
         acc = scratch(grad.shape[1])
         for u in range(bounds[task], bounds[task + 1]):
-            next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
+            next_row(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
             dim = dims[t[u]]
             row_grad(acc, dim, perm, starts[u], counts[u], src, grad, scale)
             g = gslot[u]
@@ -324,7 +342,7 @@ def rowwise_adagrad(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm,
                 rowwise_adagrad_row(dev, g, acc, dim, nlr, e)
             else:
                 host_dirty[g - cap] = True
-                rowwise_adagrad_row(host, g - cap, acc, dim, nlr, e)
+                rowwise_adagrad_row(host, hrow(host, hoff, cap, g), acc, dim, nlr, e)
 
 
 @serial
@@ -341,7 +359,7 @@ def adam_row(rec, r, acc, dim, ns, o1, o2, e):
 
 
 @parallel
-def adam(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
+def adam(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, counts, bounds, src, grad, scale,
          coef, beta1, beta2, eps):
     """Adam in place (``torch.optim.SparseAdam`` on the touched rows): ``m += (g - m)(1 - b1);
     v += (g*g - v)(1 - b2); w -= coef[t] * m / (sqrt(v) + eps)``, ``m`` at
@@ -352,7 +370,7 @@ def adam(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, co
     for task in prange(bounds.size - 1):
         acc = scratch(grad.shape[1])
         for u in range(bounds[task], bounds[task + 1]):
-            next_row(dev, host, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
+            next_row(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, u, bounds[task + 1], nbytes)
             ti = t[u]
             dim = dims[ti]
             ns = -coef[ti]
@@ -363,7 +381,7 @@ def adam(dev, host, cap, dev_dirty, host_dirty, gslot, t, dims, perm, starts, co
                 adam_row(dev, g, acc, dim, ns, o1, o2, e)
             else:
                 host_dirty[g - cap] = True
-                adam_row(host, g - cap, acc, dim, ns, o1, o2, e)
+                adam_row(host, hrow(host, hoff, cap, g), acc, dim, ns, o1, o2, e)
 
 
 @parallel

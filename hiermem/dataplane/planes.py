@@ -160,8 +160,9 @@ class TorchPlane(DataPlane):
                     from .staging import to_host
 
                     gi = to_host(gi, "host_tier_update")
-                _apply_masked(opt, tier.data, slots, gi, dim, width, step,
-                              None if rg.ok is None else rg.ok.to(tier.device))
+                ok = None if rg.ok is None else rg.ok.to(tier.device)
+                tier.update(slots, width, lambda data, rows, gi=gi, dim=dim, width=width, step=step, ok=ok:
+                            _apply_masked(opt, data, rows, gi, dim, width, step, ok))
                 tier.dirty[cslots] = True
 
 
@@ -270,7 +271,7 @@ class CompiledPlane(DataPlane):
         out = torch.empty((offsets.numel(), cols), dtype=torch.float32)
         dev, host = store._dev, store._host
         _threads(n * cols)
-        K.pool(dev.data.numpy(), host.data.numpy(), dev.capacity, self._gslots(store, p), _np(inverse, _NO_I64),
+        K.pool(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, self._gslots(store, p), _np(inverse, _NO_I64),
                _np(offsets, _NO_I64), n, _np(psw, _NO_F32), mode == "mean", out.numpy())
         return out
 
@@ -301,7 +302,7 @@ class CompiledPlane(DataPlane):
         b, dev, host = rg.b, store._dev, store._host
         dims, starts = store._dims_np, _np(b.starts, _NO_I64)
         nt = _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
-        kernel(dev.data.numpy(), host.data.numpy(), dev.capacity, dev.state[2], host.state[2],
+        kernel(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, dev.state[2], host.state[2],
                self._gslots(store, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts,
                _np(b.counts, _NO_I64), _tasks(starts, b.n, nt), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32),
                _np(rg.scale, _NO_F32), _NO_F32 if coef is None else coef, *hp)

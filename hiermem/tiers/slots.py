@@ -1,7 +1,8 @@
 """A fixed-capacity tier of row slots: the device tier and the host tier are both one.
 
 The tier owns its slots: the row data (a float32 tensor ``[capacity, width]`` on the
-tier's device: the data plane) and, on the CPU as numpy arrays (the control plane),
+tier's device: the data plane; the host tier keeps records at each table's own width
+instead, :mod:`hiermem.tiers.host`) and, on the CPU as numpy arrays (the control plane),
 each slot's key ``(keys_t, keys_k)``, dirty bit, pin count, the free-slot stack, and the
 eviction policy that scores its slots.  ``keys_t``, ``keys_k``, ``dirty`` and ``pins`` are
 also exposed as CPU tensors sharing that memory.  What goes where is decided by the
@@ -116,5 +117,29 @@ class SlotTier:
         meta[NFREE], meta[NPINNED] = self.capacity, 0
         self.policy.reset()
 
+    def read(self, slots: torch.Tensor, cols: int) -> torch.Tensor:
+        """Records ``[n, cols]`` of ``slots`` (on the tier's device)."""
+        src = self.data if cols == self.width else self.data[:, :cols]
+        return src.index_select(0, slots.to(self.device))
+
+    def write(self, slots: torch.Tensor, rec: torch.Tensor) -> None:
+        """Write ``rec [n, w]`` to the first ``w`` floats of the records of ``slots``."""
+        w = rec.shape[1]
+        dst = self.data if w == self.width else self.data[:, :w]
+        dst.index_copy_(0, slots.to(self.device), rec.to(self.device))
+
+    def update(self, slots: torch.Tensor, width: int, fn) -> None:
+        """``fn(data, rows)`` changes records ``rows`` of a ``[*, >= width]`` tensor in
+        place: here straight on the tier's tensor."""
+        fn(self.data, slots)
+
+    def record_bytes(self) -> int:
+        """Bytes of record storage allocated."""
+        return self.data.numel() * 4
+
+    def occupied_bytes(self, resident: list[int], widths: list[int]) -> int:
+        """Bytes of the slots of the resident rows (``resident[t]`` rows of table ``t``)."""
+        return sum(resident) * self.width * 4
+
     def nbytes(self) -> int:
-        return self.data.numel() * 4 + self.capacity * 22
+        return self.record_bytes() + self.capacity * 22

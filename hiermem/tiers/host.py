@@ -155,7 +155,7 @@ class HostTier(SlotTier):
         if self.uniform:
             self.hcls = self.hoff = np.zeros(0, dtype=np.int64)  # slot s is row s of data
             self._view = self.data.numpy()
-            self._kernel_hoff = np.zeros(0, dtype=np.int64)  # slot s is row s
+            self._kernel_hoff = None  # slot s is row s (the kernels compile without offsets)
             return
         self.data = None  # no [capacity, width] tensor: records live in the arena
         self.tcls = tcls.astype(np.int64)
@@ -286,10 +286,11 @@ class HostTier(SlotTier):
         fn(rec, torch.arange(rec.shape[0]))
         self.write(slots, rec)
 
-    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    def kernel_arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
         """``(rows, hoff)`` for the compiled data plane: slot ``s``'s record is
         ``rows[hoff[s], :width]`` (``rows``: float32, a float-stride view of the storage);
-        one width: ``rows`` is the ``[H, W]`` tensor's array and ``hoff`` empty (row ``s``)."""
+        one width: ``rows`` is the ``[H, W]`` tensor's array and ``hoff`` None (row ``s``;
+        a None argument compiles the kernels without the offset path at all)."""
         return self._view, self._kernel_hoff
 
     def clear(self) -> None:

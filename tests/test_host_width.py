@@ -98,7 +98,11 @@ def test_pool_bound_is_the_class_rows():
     kt[498:] = 0
     h.assign(np.arange(500))
     h.check()
-    assert h.ccap.tolist() == [2, 500]  # 256 -> 500, not 512: the host's capacity bounds an unbounded table
+    # the bounded table's pool stops at its 2 rows; the unbounded one's doubles 256 -> 512
+    # but stops at 498: the host's capacity bounds it (<= 500), and so does the padded
+    # tier's size (500 x 5 floats, the 2 narrow records included)
+    assert h.ccap.tolist() == [2, 498]
+    assert int((h.ccap * h.cw).sum()) <= 500 * 5
 
 
 def _train(s, ref, rng, steps, tables, max_id):
@@ -205,3 +209,24 @@ def test_pools_shrink_when_their_rows_leave(monkeypatch):
     h.assign(np.arange(8, 16))
     h.check()
     assert torch.equal(h.read(keep, 5), rec[keep])
+
+
+def test_host_records_never_take_more_than_a_padded_tier(tmp_path):
+    """Whatever the mix of rows over time, the pools never allocate more than the padded
+    tier did (host_rows x the widest record): a host filled with wide rows, then with
+    narrow ones (the wide pool has grown to its peak), then wide again, stays within it,
+    and rows read back exact."""
+    H, D = 2048, 32
+    pad = H * 516
+    with hm.HierarchicalStore(mixed_tables(4), hm.StoreConfig(path=tmp_path / "s", device_rows=D, host_rows=H,
+                                                               optimizer=OPT)) as s:
+        for table, n, dim in (("wide", H + D, 128), ("narrow0", H // 2, 8), ("narrow1", H // 2, 8),
+                              ("wide", H + D, 128), ("narrow2", H + D, 8), ("wide", H // 2, 128)):
+            _fill(s, table, n, dim)
+            # (+ one widest record past the end: the float-stride view's slack)
+            assert s.stats()["_store"]["host_record_bytes"] <= pad + 516
+            s.audit()
+        for table, n, dim in (("wide", H + D, 128), ("narrow2", H + D, 8)):
+            got = s.lookup(table, torch.arange(256))
+            want = torch.cat([torch.randn(min(512, n), dim, generator=torch.Generator().manual_seed(0))])[:256]
+            assert torch.equal(got, want)

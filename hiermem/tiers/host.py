@@ -211,7 +211,44 @@ class HostTier(SlotTier):
                 return self._shrink()
             ccap = self.ccap.copy()
             ccap[c] = max(ccap[c] + 1, min(max(2 * ccap[c], FIRST_RECORDS), self.cbound[c]))
+            budget = self.capacity * self.width  # the floats of a tier padded to the widest record
+            if int((ccap * self.cw).sum()) > budget:  # never more than that: the other pools give
+                ccap = self._fit(c, ccap, budget)  # back their free records, c takes what fits
             self._layout(ccap)
+
+    def _fit(self, c: int, ccap: np.ndarray, budget: int) -> np.ndarray:
+        """Pool sizes within ``budget`` floats for a pool ``c`` that must grow: every other
+        pool compacted to the records it holds, ``c`` given up to ``ccap[c]`` of what is
+        left (at least one more record: the held records of all pools fit in the budget,
+        as at most ``capacity`` slots hold one record each, none wider than ``width``)."""
+        live = self.cused - self.cnfree
+        ccap = ccap.copy()
+        for o in range(self.cw.size):
+            if o != c and self.ccap[o] > live[o]:
+                self._compact(o, int(live[o]))
+                ccap[o] = live[o]
+        room = (budget - int(np.delete(ccap * self.cw, c).sum())) // int(self.cw[c])
+        ccap[c] = max(int(self.ccap[c]) + 1, min(int(ccap[c]), room))
+        return ccap
+
+    def _compact(self, c: int, n: int) -> None:
+        """Move pool ``c``'s records at or above index ``n`` into free ones below it (``n``
+        >= its records in use); its free stack then lists the free ones below ``n``."""
+        flat = self.arena.numpy()
+        w, base = int(self.cw[c]), int(self.cbase[c])
+        held = np.flatnonzero(self.hcls == c)
+        idx = (self.hoff[held] - base) // w
+        used = np.zeros(n, dtype=np.bool_)
+        used[idx[idx < n]] = True
+        free = np.flatnonzero(~used)
+        movers = held[idx >= n]
+        to = free[:movers.size]
+        src = (self.hoff[movers] - base)[:, None] + np.arange(w)
+        flat[base + to[:, None] * w + np.arange(w)] = flat[base + src]
+        self.hoff[movers] = base + to * w
+        rest = free[movers.size:]
+        self.fstack[self.fbase[c]:self.fbase[c] + rest.size] = rest[::-1]
+        self.cnfree[c], self.cused[c] = rest.size, n
 
     def release(self, slots) -> None:
         """Free the records of those of ``slots`` that are now empty."""
@@ -230,23 +267,10 @@ class HostTier(SlotTier):
         if not shrink.any():
             return
         ccap = self.ccap.copy()
-        flat = self.arena.numpy()
         for c in np.flatnonzero(shrink):
-            w, base = int(self.cw[c]), int(self.cbase[c])
             n = max(FIRST_RECORDS, 2 * int(live[c]))
-            held = np.flatnonzero(self.hcls == c)
-            idx = (self.hoff[held] - base) // w
-            used = np.zeros(n, dtype=np.bool_)
-            used[idx[idx < n]] = True
-            free = np.flatnonzero(~used)
-            movers = held[idx >= n]
-            to = free[:movers.size]
-            src = (self.hoff[movers] - base)[:, None] + np.arange(w)
-            flat[base + to[:, None] * w + np.arange(w)] = flat[base + src]
-            self.hoff[movers] = base + to * w
-            rest = free[movers.size:]
-            self.fstack[self.fbase[c]:self.fbase[c] + rest.size] = rest[::-1]
-            self.cnfree[c], self.cused[c], ccap[c] = rest.size, n, n
+            self._compact(int(c), n)
+            ccap[c] = n
         self._layout(ccap)
 
     # -- records ---------------------------------------------------------------------------

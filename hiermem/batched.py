@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import validate
 from .batches import Batch, Placement, dedup, runs
 from .dataplane.batch import bag_of, first_bad, offsets_bad, sorted_runs, tables_present
 from .dataplane.staging import to_host
@@ -136,13 +137,8 @@ class BatchedOps:
 
     def _multi_ids(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated ``(table index, id)`` per id, int64 on the store's device."""
-        for name, v in (("tables", tables), ("ids", ids)):
-            if not isinstance(v, torch.Tensor):
-                raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
-            if v.dtype not in _INT_DTYPES:
-                raise InvalidTypeError(f"{name} must have an integer dtype, got {v.dtype}")
-            if v.dim() != 1:
-                raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(v.shape)}")
+        validate.int_vector("tables", tables)
+        validate.int_vector("ids", ids)
         if tables.numel() != ids.numel():
             raise InvalidArgumentError(f"tables ({tables.numel()}) and ids ({ids.numel()}) differ in length")
         # the control plane reads them on the CPU: they come there once (the one inherent

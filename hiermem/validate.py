@@ -26,6 +26,21 @@ def table_index(index: dict[str, int], table: str) -> int:
         raise UnknownTableError(f"unknown table {table!r}; tables are {list(index)}") from None
 
 
+def int_vector(name: str, v, kinds: str = "a torch.Tensor") -> None:
+    """Check that ``v`` (the caller's ``name``) is a 1-D integer tensor.
+
+    Raises:
+        InvalidTypeError: not a tensor (``kinds``: what the caller accepts), or not integers.
+        InvalidArgumentError: not 1-D.
+    """
+    if not isinstance(v, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be {kinds}, got {type(v).__name__}")
+    if v.dtype not in _INT_DTYPES:
+        raise InvalidTypeError(f"{name} must have an integer dtype, got {v.dtype}")
+    if v.dim() != 1:
+        raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(v.shape)}")
+
+
 def check_ids(spec: TableSpec, ids) -> torch.Tensor:
     """``ids`` of table ``spec`` (a 1-D integer tensor or numpy array) as int64 on the CPU,
     where the control plane reads them (the one inherent device-to-host copy of a step
@@ -42,12 +57,7 @@ def check_ids(spec: TableSpec, ids) -> torch.Tensor:
         if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
             raise InvalidIdError(f"table {spec.name}: ids above 2**63-1")
         ids = torch.from_numpy(ids.astype(np.int64, copy=False))
-    if not isinstance(ids, torch.Tensor):
-        raise InvalidTypeError(f"ids must be a torch.Tensor or numpy array, got {type(ids).__name__}")
-    if ids.dtype not in _INT_DTYPES:
-        raise InvalidTypeError(f"ids must have an integer dtype, got {ids.dtype}")
-    if ids.dim() != 1:
-        raise InvalidArgumentError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    int_vector("ids", ids, "a torch.Tensor or numpy array")
     ids = to_host(ids, "ids").to(torch.int64)
     if ids.numel():
         lo, hi = minmax(ids.contiguous().numpy())

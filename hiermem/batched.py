@@ -31,7 +31,7 @@ from .errors import CapacityError, InvalidArgumentError, InvalidIdError, Invalid
 from .stats import IO, timed
 from .tiers.slots import by_table
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INT_DTYPES = validate.INT_DTYPES
 
 
 @dataclass

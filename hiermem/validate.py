@@ -11,7 +11,8 @@ from .dataplane.staging import to_host
 from .errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, UnknownTableError
 from .types import TableSpec
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # the ids a caller may give
+_INT_DTYPES = INT_DTYPES
 
 
 def table_index(index: dict[str, int], table: str) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first thing to run on a machine with a GPU (one GPU, under 8 minutes):
-#   1. the CUDA tests (tests marked gpu: the store and the module on a CUDA device tier,
+#   1. the CUDA tests (every test marked gpu: the store and the module on a CUDA device tier,
 #      the data-plane exactness tests and the model-based store exactness machine with
 #      device="cuda", the CUDA step path: one staging copy per batch, rows crossing
 #      device/host/disk against the CPU store, steady-state steps under
@@ -51,7 +51,7 @@ run() {  # name, limit (s), command...
 # compiling the kernels once (cached on disk) is charged to no part in particular
 # (limits add up to 450 s: the whole check stays under 8 minutes)
 run compile 90 "$PY" -c 'import hiermem, hiermem.dataplane.kernels'
-run cuda_tests 140 "$PY" -m pytest -q -s -rfE -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_dataplane.py
+run cuda_tests 140 "$PY" -m pytest -q -s -rfE -m gpu -p no:cacheprovider tests
 run bench_store 70 "$PY" scripts/bench_store.py --quick
 run bench_train 120 "$PY" scripts/bench_train.py --quick --device cuda --png "$out/bench_train.png"
 run nccl_check 30 "$PY" scripts/nccl_check.py

@@ -53,6 +53,7 @@ def test_single_width_keeps_the_flat_layout(tmp_path):
     with hm.HierarchicalStore(tabs, hm.StoreConfig(path=tmp_path / "s", device_rows=4, host_rows=32,
                                                    optimizer=OPT)) as s:
         assert s._host.uniform and s._host.data.shape == (32, 9)
+        assert not s.host_tier.page_locked  # page-locked memory only for a CUDA device tier
         assert s.stats()["_store"]["host_record_bytes"] == 32 * 9 * 4
 
 
@@ -165,14 +166,14 @@ def test_mixed_widths_train_exactly(tmp_path, monkeypatch, plane, opt):
         s.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_host_pools_are_pinned_and_exact(tmp_path):
     tables, max_id = mixed_tables(3), 60
     cfg = hm.StoreConfig(path=tmp_path / "s", device="cuda", device_rows=6, host_rows=300, optimizer=OPT, seed=5)
     ref = FlatStore(tables, OPT, seed=5)
     with hm.HierarchicalStore(tables, cfg) as s:
         _train_cuda(s, ref, tables, max_id)
-        assert s._host.arena.is_pinned()
+        assert s.host_tier.page_locked and s._host.arena.is_pinned()
         s.checkpoint(tmp_path / "ck")
         _compare(s, ref, tables, max_id)
         s.audit()

@@ -28,6 +28,16 @@ def test_nccl_check_without_cuda_says_so():
     assert r.returncode == 0 and r.stdout.strip() == "no CUDA", r.stdout + r.stderr
 
 
+def test_world_size_one_runs_every_applicable_sharding_over_gloo():
+    """The world-size-1 check gpu_check.sh runs, on CPU ranks: column-wise has no shape on
+    one rank and is reported as not applicable, the other four train exactly."""
+    r = _run("--backend", "gloo", "--world", "1", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CW    not applicable at world size 1" in r.stdout
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["backend"] == "gloo" and last["world_size"] == 1 and last["ok"] and last["worst_err"] <= 1e-5
+
+
 @pytest.mark.gpu
 def test_nccl_world_size_one():
     r = _run("--world", "1")

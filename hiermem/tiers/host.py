@@ -171,9 +171,14 @@ class HostTier(SlotTier):
         self.cbase = np.zeros(K, dtype=np.int64)
         self.fbase = np.zeros(K, dtype=np.int64)
         self.fstack = np.zeros(0, dtype=np.int64)
-        self.arena = torch.zeros(self.width, dtype=torch.float32)
+        self.arena = torch.zeros(self.width, dtype=torch.float32, pin_memory=pin_memory)
         self._kernel_hoff = self.hoff
         self._layout(np.zeros(K, dtype=np.int64))
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether the records live in page-locked memory (asked for with a CUDA device tier)."""
+        return bool((self.data if self.uniform else self.arena).is_pinned())
 
     # -- the mixed layout's pools --------------------------------------------------------
     def _layout(self, ccap: np.ndarray) -> None:

@@ -199,6 +199,8 @@ def bench_disk_miss(tmp: Path, policy: str, reps: int, quick: bool) -> dict:
 
 
 def bench_replay(policy: str, accesses: int) -> dict:
+    tiny = Trace(Path("."), ("z",), np.arange(64, dtype=np.int64) % 7, np.ones((64, 1), dtype=np.int64), False)
+    Simulator(tiny, SimConfig(device_rows=3, host_rows=0, policy=policy, updates=False)).run()  # load/compile, untimed
     ids = ZipfIds(1_000_000, 1.05, 7)(accesses).astype(np.int64)
     tr = Trace(Path("."), ("z",), ids, np.ones((accesses, 1), dtype=np.int64), False)
     sim = Simulator(tr, SimConfig(device_rows=50_000, host_rows=0, policy=policy, updates=False))

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     dim, batch = 16, 256
     wl = (bt.criteo_workload(400_000, dim) if a.workload == "criteo" else
           bt.zipf_workload(float(a.workload[4:]), 120_000, dim, 4))
-    batches = bt.make_batches(wl, a.warmup + 2 * a.steps + 8, batch)
+    batches = bt.make_batches(wl, a.warmup + 3 * a.steps + 40, batch)  # warm-up, timed, cProfile, torch profiler
     W = bt.working_set(wl, batches)
     total = sum(t.num_rows for t in wl.tables)
     if a.kind == "device":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import numba
@@ -60,6 +61,24 @@ def mark_warm() -> None:
         _WARM.write_text("compiled\n")
     except OSError:  # a read-only install
         pass
+
+
+_ANNOUNCED: set = set()
+
+
+def announce_compile(dispatcher, what: str) -> None:
+    """Before the first call of a kernel that :mod:`hiermem.core.warm` leaves to its first
+    use: a one-line notice when no cached machine code is on disk yet (numba is about to
+    compile it), once per process."""
+    if DISABLED or id(dispatcher) in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(id(dispatcher))
+    try:
+        cached = bool(dispatcher.signatures) or os.path.exists(dispatcher._cache._cache_file._index_path)
+    except AttributeError:  # not a caching dispatcher: nothing to say
+        return
+    if not cached:
+        print(f"hiermem: compiling {what} once (cached for later runs) ...", file=sys.stderr, flush=True)
 
 
 def kernel(fn):

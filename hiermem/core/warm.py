@@ -5,11 +5,12 @@ stamp file (the kernels load lazily, on first use); on a fresh install it compil
 everything now, so the first batch of a training run is not the one that waits.  The
 kernels compile in two processes at once when the machine has a second core (numba
 compiles on one thread; both write the same on-disk caches), in halves of about equal
-compile time: this process the commit and replay loop and the store's batch helpers; a
-child the placement decisions and the data plane's lookup and fused SGD (called
-directly, so the child compiles none of the commit half).  The other fused optimizers
-(Adagrad, row-wise Adagrad, Adam) compile at their first update instead (~4 s each,
-cached then).  ``NUMBA_DISABLE_JIT=1`` skips it.
+compile time: this process the commit and the store's batch helpers; a child the
+placement decisions and the data plane's lookup and fused SGD (called directly, so the
+child compiles none of the commit half).  What only some users run compiles at its
+first use instead, cached then: the other fused optimizers (Adagrad, row-wise Adagrad,
+Adam; ~4 s each) and the simulator's replay loop (~20 s, with its own one-line notice;
+:func:`hiermem.core.jit.announce_compile`).  ``NUMBA_DISABLE_JIT=1`` skips it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ _CHILD = "HIERMEM_WARM_CHILD"  # set in the child: its own import must not warm 
 
 
 def _exercise(part: int | None = None) -> None:
-    """Call each kernel on tiny inputs of the types the store and simulator pass:
-    ``part`` 0 the index, policy, victim and decide kernels; 1 commit, abort and the
-    replay loop; None both."""
+    """Call each kernel on tiny inputs of the types the store passes: ``part`` 0 the
+    index, policy, victim and decide kernels; 1 commit and abort; None both.  (The
+    simulator's replay loop compiles at its first use.)"""
     from ..eviction import PolicySpec
     from ..tiers.slots import SlotTier
     from ..types import Tier
@@ -39,7 +40,6 @@ def _exercise(part: int | None = None) -> None:
     from . import policy as pk
     from . import victims as vk
     from .index import KeyIndex
-    from .replay import replay
 
     i64 = np.int64
     for sizes in ([50, 50], [None, None]):
@@ -77,14 +77,6 @@ def _exercise(part: int | None = None) -> None:
                 P.commit(ix.arrays, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk,
                          np.arange(5, dtype=i64), np.ones(5, dtype=i64), True, ws, res, counters)
             P.abort(dev.policy.state, host.policy.state)
-    if part in (None, 1):
-        tix = KeyIndex(3, [5], direct=True)
-        d2 = SlotTier(Tier.DEVICE, 2, 0, "cpu", PolicySpec("lru"), base=0)
-        h2 = SlotTier(Tier.HOST, 1, 0, "cpu", PolicySpec("lru"), base=2)
-        replay(tix.arrays, d2.state, d2.policy.state, h2.state, h2.policy.state,
-               np.array([0, 1, 2, 3, 1], dtype=i64), np.array([0, 1, 3, 5], dtype=i64), np.zeros(5, dtype=i64),
-               np.zeros(1, dtype=i64), np.zeros(5, dtype=np.uint8), True, np.zeros((1, 3, 5), dtype=i64),
-               np.zeros(16, dtype=i64), 8, *P.workspace(4), 0)
 
 
 def _exercise_kernels(part: int | None = None) -> None:

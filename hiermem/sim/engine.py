@@ -46,6 +46,7 @@ from ..errors import CapacityError, InvalidArgumentError, InvalidTypeError
 from ..eviction import PolicySpec, resolve_policy
 from ..core import plan as _plan
 from ..core.index import KeyIndex
+from ..core.jit import announce_compile
 from ..core.replay import replay
 from ..stats import IO, STAT_TIERS, Counters, Stat
 from ..tiers.slots import SlotTier, by_tier
@@ -372,6 +373,7 @@ class Simulator:
         if self._lookahead:  # pragma: no cover - lookahead needs prefetch (k > 0)
             raise AssertionError("lookahead replays go through _run_prefetch")
         b, dev, host = self.b, self._dev, self._host
+        announce_compile(replay, "the simulator's replay loop")  # not warmed at import: ~20 s, once
         out = replay(self._keys.arrays, dev.state, dev.policy.state, host.state, host.policy.state,
                      b.dense.numpy(), b.offsets_np, b.table_of_row.numpy(), b.row_base,
                      self._written, bool(self.updates), self.counters.table.numpy(), self._io,

@@ -88,6 +88,8 @@ def main(argv=None) -> int:
         print(f"{wl.name}/{a.kind} on {a.device}: W = {W:.0f}, device rows {dev}, host rows {host}, "
               f"prefetch depth {depth} ({pipe.mode if pipe else 'none'}); unprofiled {1e3 * t_ours / a.steps:.2f} "
               f"ms/step vs baseline {1e3 * t_base / a.steps:.2f} ms/step: x{t_base / t_ours:.3f}")
+        if pipe is not None:
+            print(f"pipeline: {pipe.mode}, {pipe.background_reason}; trials {pipe.stats()['trials']}")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(a.steps):

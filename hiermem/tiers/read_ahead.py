@@ -160,6 +160,13 @@ class ReadAhead:
                 if self._ahead_open is not None:
                     self._wlog.append((table, ids))
 
+    def drop_read_ahead(self) -> None:
+        """Forget every read-ahead record (a pipeline that stops reading ahead): reads and
+        writes then skip the cache's lookups.  Waits for a read-ahead still reading."""
+        with self._ahead_cv:
+            self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
+        self._drop_ahead()
+
     def _drop_ahead(self) -> None:
         with self._ahead_cv:
             self._ahead = []

@@ -454,6 +454,12 @@ class PrefetchPipeline:
         return batch
 
     # -- "auto": prefetch threads only where they measure faster ----------------------------
+    @property
+    def mode_settled(self) -> bool:
+        """False while ``"auto"`` has yet to measure its first trial, or is measuring one
+        (a benchmark's warm-up waits for this before it times steady state)."""
+        return not self.adaptive or (self._trial is None and bool(self.trials) and not self._draining)
+
     def _settled(self) -> bool:
         """Whether the step that just ended ran wholly in the current mode, past the
         steps a switch disturbs (the prefetch queue filling, or draining)."""

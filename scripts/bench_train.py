@@ -310,7 +310,8 @@ def warm(tr: Trainer, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
             now = device_counts(store)
             h = 1 - (now[1] - base[1]) / max(1, now[0] - base[0])
             full = not fill_host or int(store.counters.table[:, Tier.HOST, Stat.EVICTIONS].sum()) > 0
-            if prev is not None and abs(h - prev) < TOLERANCE and n >= MIN_WARMUP and full:
+            settled = getattr(it, "mode_settled", True)  # an "auto" pipeline has measured its mode
+            if prev is not None and abs(h - prev) < TOLERANCE and n >= MIN_WARMUP and full and settled:
                 return n, True
             prev, base = h, now
     return n, False

@@ -37,12 +37,13 @@ def _loop(tmp_path, steps, slow_prefetch=0.0, slow_foreground=0.0):
         emb.store.prefetch = prefetch
     modes = []
     with hm.PrefetchPipeline(_batches(steps), emb, depth=2) as pipe:
-        assert pipe.adaptive and pipe.mode == "threads"
+        assert pipe.adaptive and pipe.mode == "threads" and not pipe.mode_settled
         for _, feats, _ in pipe:
             modes.append(pipe.mode)
             if pipe.mode == "foreground" and slow_foreground:
                 time.sleep(slow_foreground)
             emb(feats).sum().backward()
+        assert pipe.mode_settled
         st = pipe.stats()
         st["disk_read_ahead_cached"] = len(emb.store.disk._ahead)
     emb.store.audit()
@@ -87,5 +88,5 @@ def test_an_explicit_mode_is_never_second_guessed(tmp_path, adaptive, monkeypatc
     for background, env in ((True, "auto"), ("auto", "threads")):
         monkeypatch.setenv("HIERMEM_BACKGROUND", env)
         with hm.PrefetchPipeline(_batches(4), emb, depth=2, background=background) as pipe:
-            assert not pipe.adaptive and pipe.stats()["trials"] == []
+            assert not pipe.adaptive and pipe.stats()["trials"] == [] and pipe.mode_settled
     emb.store.close()

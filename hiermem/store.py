@@ -429,17 +429,15 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         (:class:`~hiermem.tiers.HostTier`) before anything is written."""
         dev, host, dd = self._dev, self._host, self.device
         nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
-        up = down = None
-        if nu:
-            up_src = torch.from_numpy(ws[_plan.UP_SRC, :nu].copy())
-            up = host.read(up_src, self.width).to(dd, non_blocking=True)
+        down = None
+        if nd:  # the device victims first: the rows coming up take their slots
+            down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
+        if nu:  # host -> device in one pass, before any host record is given back or rewritten
+            up_src = ws[_plan.UP_SRC, :nu].copy()
+            self.plane.rows_up(dev.data, host, up_src, ws[_plan.UP_DST, :nu].copy())
             host.release(up_src)
         if res[_plan.N_VH]:  # host victims gone to disk (their slots, unless refilled, give back their records)
             host.release(ws[_plan.VH, :int(res[_plan.N_VH])])
-        if nd:
-            down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
-        if nu:
-            dev.data.index_copy_(0, torch.from_numpy(ws[_plan.UP_DST, :nu].copy()).to(dd), up)
         if nd:
             dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
             host.assign(dn_dst)

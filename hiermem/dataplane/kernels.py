@@ -388,6 +388,33 @@ def adam(dev, host, hoff, cap, dev_dirty, host_dirty, gslot, t, dims, perm, star
 
 
 @parallel
+def rows_up(dev, host, hoff, hcls, cw, src, dst, ahead):
+    """The host -> device copy of a placement, in one pass and no intermediate:
+    ``dev[dst[i]] = record(host slot src[i])``, its first ``min(width, W)`` floats and
+    zeros after (``W`` = ``dev``'s columns).  ``dev`` float32 ``[C, W]``; ``host`` the
+    host tier's rows (``[H, W]``, or its float-stride view with ``hoff``); ``hoff``,
+    ``hcls`` int64 ``[H]`` each slot's record row and width class (None, None: every
+    record ``W`` wide at row ``s``); ``cw`` int64 ``[K]`` the classes' widths; ``src``,
+    ``dst`` int64 ``[n]``; ``ahead``: prefetch the record this many rows ahead (0: none).
+    The caller reads what ``dst`` overwrites first (the device victims going down)."""
+    W = dev.shape[1]
+    n = src.size
+    for i in prange(n):
+        if ahead and i + ahead < n:
+            prefetch_row(host, hrow(host, hoff, 0, src[i + ahead]), W * 4)
+        r = hrow(host, hoff, 0, src[i])
+        d = dst[i]
+        w = W
+        if hcls is not None:
+            c = hcls[src[i]]
+            w = min(cw[c], W) if c >= 0 else 0
+        for j in range(w):
+            dev[d, j] = host[r, j]
+        for j in range(w, W):
+            dev[d, j] = np.float32(0.0)
+
+
+@parallel
 def max_abs(x, rows, cols, nt):
     """``(finite, max |x[:rows, :cols]|)`` of float32 ``x [>= rows, >= cols]``, in ``nt``
     parallel parts (a bound on the gradient sums: NaN/inf and overflow are refused before

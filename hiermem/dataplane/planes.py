@@ -104,6 +104,13 @@ class DataPlane(ABC):
         """One optimizer step of every distinct row of ``rg.b`` (placed at ``p``) with its
         gradient, in place; ``present``: the batch's tables (their steps already counted)."""
 
+    def rows_up(self, dev: torch.Tensor, host, src: np.ndarray, dst: np.ndarray) -> None:
+        """A CPU placement's host -> device copy: ``dev[dst[i]]`` = the record of host
+        slot ``src[i]`` (int64 arrays), zeros past its width.  The caller has read what
+        ``dst`` overwrites (the device victims going down)."""
+        rec = host.read(torch.from_numpy(src), dev.shape[1]).to(dev.device, non_blocking=True)
+        dev.index_copy_(0, torch.from_numpy(dst).to(dev.device), rec)
+
 
 class TorchPlane(DataPlane):
     """Torch ops: the reference, and the plane of CUDA stores (every op on the device)."""
@@ -264,6 +271,17 @@ class CompiledPlane(DataPlane):
         if p.on_device is None:
             return _np(p.slot, _NO_I64)
         return _np(torch.where(p.on_device, p.slot, p.slot + store._dev.capacity), _NO_I64)
+
+    def rows_up(self, dev, host, src, dst):
+        """One pass, no intermediate (:func:`~hiermem.dataplane.kernels.rows_up`)."""
+        rows, hoff = host.kernel_arrays()
+        W = dev.shape[1]
+        mixed = hoff is not None
+        if dev.device.type != "cpu" or not src.size or (not mixed and rows.shape[1] != W):
+            return self._torch.rows_up(dev, host, src, dst)
+        _threads(src.size * W)
+        K.rows_up(dev.numpy(), rows, hoff, host.hcls if mixed else None, host.cw if mixed else _NO_I64,
+                  np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64), K.AHEAD)
 
     def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
         if store.device.type != "cpu":

@@ -110,6 +110,8 @@ def _exercise_kernels(part: int | None = None) -> None:
                np.zeros(0, dtype=f32) if coef is None else coef, *hp)
     if part in (None, 0):
         K.max_abs(grad, 2, 4, 1)
+        K.rows_up(dev, host, None, None, np.zeros(0, dtype=i64), np.array([1], dtype=i64), np.array([0], dtype=i64),
+                  K.AHEAD)  # a placement's host -> device copy (one record width)
         _exercise_host()
 
 

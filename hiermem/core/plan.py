@@ -28,9 +28,11 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find, find1, insert1, remove1
-from .jit import inline, kernel, leaf, tiny
+from .jit import inline, kernel, leaf, prefetch, tiny
 from .policy import LFU_DECAY, touch
 from .victims import drop, set_key, victims_
+
+AHEAD = 8  # rows ahead whose slot state the swap loops prefetch
 
 # workspace rows
 (G, SLOT, ONDEV, MI, VD, VH, DISK, FOUND, WB, UP_SRC, UP_DST, DN_SRC, DN_DST, NEW_DST, ENTRY, MOVED,
@@ -237,6 +239,14 @@ def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slot
     nfree = tm[NFREE]
     unpinned = np.int64(0)
     for j in range(n):
+        if j + AHEAD < n:
+            s2 = slots[j + AHEAD]
+            prefetch(kt, s2)
+            prefetch(kk, s2)
+            prefetch(dirty, s2)
+            prefetch(pins, s2)
+            prefetch(key, s2)
+            prefetch(rev, base + s2)
         s = slots[j]
         c = j0 + j
         ws[SV_T, c] = kt[s]
@@ -277,6 +287,15 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
     valid, tau = rm[0] != 0, rm[1]
     pinned = np.int64(0)
     for j in range(n):
+        if j + AHEAD < n:
+            e2 = ws[ENTRY, j0 + j + AHEAD]
+            if direct:
+                prefetch(slot_of, e2)
+            else:
+                prefetch(tab, 3 * e2 + 2)
+            d2 = free[fb + j + AHEAD]
+            prefetch(kt, d2)
+            prefetch(key, d2)
         d = free[fb + j]
         dst[j] = d
         c = j0 + j

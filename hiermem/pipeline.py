@@ -472,8 +472,7 @@ class PrefetchPipeline:
         tr = self._trial
         if tr is None:
             if self.steps >= self._next_trial and not self._draining:
-                self._trial = {"step": self.steps, "start": self.mode, "samples": {"threads": [], "foreground": []},
-                               "window": 0, "n": 0}
+                self._trial = {"step": self.steps, "samples": {"threads": [], "foreground": []}, "window": 0, "n": 0}
             return
         if last is None or not self._settled():
             return

@@ -422,9 +422,10 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         self._write_down(Rows(t, k, rec, torch.ones(t.numel(), dtype=torch.bool)))
 
     def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
-        """The data plane of a committed plan on a CPU store: records host -> device,
-        device -> host (gathered before either side is overwritten), then disk records
-        into place (:meth:`_move_staged` is the staged form, CUDA's).  Host slots emptied
+        """The data plane of a committed plan on a CPU store: the device victims' records
+        gathered, the host records coming up copied into their device slots in one pass
+        (:meth:`~hiermem.dataplane.DataPlane.rows_up`), the victims written to the host,
+        then disk records into place (:meth:`_move_staged` is the staged form, CUDA's).  Host slots emptied
         by the plan give back their records and those filled get one of their row's width
         (:class:`~hiermem.tiers.HostTier`) before anything is written."""
         dev, host, dd = self._dev, self._host, self.device

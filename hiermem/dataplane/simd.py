@@ -24,6 +24,8 @@ import os
 import numba
 import numpy as np
 
+from ..core.jit import prefetch as prefetch_item  # noqa: F401  (one item prefetch, the control plane's)
+
 #: floats per vector (one 256-bit register)
 V = 8
 
@@ -59,8 +61,6 @@ if os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0"):
     def prefetch_row(arr, r, nbytes):
         """Prefetch ``nbytes`` of row ``r`` of ``arr`` (interpreted: nothing)."""
 
-    def prefetch_item(arr, i):
-        """Prefetch ``arr[i]`` for writing (interpreted: nothing)."""
 else:
     from llvmlite import ir  # numba's own code generator (a dependency of numba)
     from numba.core import cgutils, types
@@ -171,9 +171,3 @@ else:
             return context.get_dummy_value()
         return types.void(arr, types.intp, types.intp), codegen
 
-    @intrinsic
-    def prefetch_item(typingctx, arr, i):
-        def codegen(context, builder, sig, args):
-            _prefetch(builder, _ptr(context, builder, sig.args[0], args[0], [args[1]]), True)
-            return context.get_dummy_value()
-        return types.void(arr, types.intp), codegen

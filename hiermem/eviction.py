@@ -61,6 +61,14 @@ class EvictionPolicy:
                       np.empty(hc, dtype=np.int64), np.empty(hc, dtype=np.int64),
                       np.empty(hc, dtype=np.int64), np.empty(hc, dtype=np.int64))
 
+    def adopt_keys(self, key: np.ndarray) -> None:
+        """Keep the keys in ``key`` (int64, at least ``capacity`` entries; the tier's
+        slot records, :mod:`hiermem.core.layout`) instead of an array of their own."""
+        key[:self.capacity] = self._key
+        self._key = key
+        self.key = torch.from_numpy(key[:self.capacity])
+        self.state = (key,) + self.state[1:]
+
     def _params(self) -> list[float]:
         return [float(self.code), 0.0, 0.0, 0.0]
 

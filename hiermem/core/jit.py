@@ -146,7 +146,7 @@ else:
     @intrinsic
     def prefetch(typingctx, arr, i):
         """Prefetch ``arr[i]`` (1-D) for writing: one ``llvm.prefetch``, no load, no
-        fault on any address.  The slot-state loops of a swap touch ~10 arrays at random
+        fault on any address.  The slot-state loops of a swap touch a few arrays at random
         slots a row; issued a few rows ahead, those misses overlap instead of queueing."""
         def codegen(context, builder, sig, args):
             aryty = sig.args[0]

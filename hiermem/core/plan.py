@@ -241,11 +241,7 @@ def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slot
     for j in range(n):
         if j + AHEAD < n:
             s2 = slots[j + AHEAD]
-            prefetch(kt, s2)
-            prefetch(kk, s2)
-            prefetch(dirty, s2)
-            prefetch(pins, s2)
-            prefetch(key, s2)
+            prefetch(kt, s2)  # the slot's whole record (hiermem.core.layout)
             prefetch(rev, base + s2)
         s = slots[j]
         c = j0 + j
@@ -294,8 +290,8 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
             else:
                 prefetch(tab, 3 * e2 + 2)
             d2 = free[fb + j + AHEAD]
-            prefetch(kt, d2)
-            prefetch(key, d2)
+            prefetch(kt, d2)  # the slot's whole record
+            prefetch(rev, base + d2)
         d = free[fb + j]
         dst[j] = d
         c = j0 + j

@@ -180,3 +180,22 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
         if i < 0:
             return i
     return c0
+
+
+@kernel
+def rank_dense(ids, hi, out, base):
+    """``out[i] = base +`` the rank of ``ids[i]`` among the distinct ``ids`` (int64 in
+    ``[0, hi]``, as ``np.unique``'s inverse); returns the number of distinct ids.  A
+    presence table of ``hi + 1`` entries and two passes over the ids: the simulator's
+    dense row numbering, which numpy did with three temporaries as large as the trace."""
+    rank = np.zeros(hi + 1, dtype=np.int64)
+    for i in range(ids.size):
+        rank[ids[i]] = 1
+    r = np.int64(0)
+    for v in range(hi + 1):
+        if rank[v]:
+            rank[v] = r
+            r += 1
+    for i in range(ids.size):
+        out[i] = base + rank[ids[i]]
+    return r

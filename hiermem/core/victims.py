@@ -361,7 +361,10 @@ if not DISABLED and not is_warm():
     # replay loop (a leaf, :func:`hiermem.core.jit.leaf`) reaches them through victims_,
     # and a leaf may call a function that allocates only through an existing overload.
     # With a warm cache the leaves load compiled, and these load lazily (0.5 s of import).
+    # A tier's keys, tables, pins and marks are fields of its slot records: strided
+    # views, layout "A" (hiermem.core.layout).
     _I64 = types.Array(types.int64, 1, "C")
-    build_.compile((_I64, _I64, _I64, _I64, _I64, types.int64))
-    scan_.compile((_I64, _I64, _I64, types.Array(types.int32, 1, "C"), types.Array(types.uint8, 1, "C"),
+    _FLD = types.Array(types.int64, 1, "A")
+    build_.compile((_FLD, _I64, _I64, _I64, _FLD, types.int64))
+    scan_.compile((_FLD, _I64, _FLD, types.Array(types.int32, 1, "A"), types.Array(types.uint8, 1, "A"),
                    types.int64, _I64))

@@ -90,6 +90,7 @@ def _exercise_kernels(part: int | None = None) -> None:
     which keeps the first import within its minute."""
     from ..dataplane import kernels as K
     from ..dataplane.planes import FUSED
+    from .layout import slot_records  # the dirty bits are fields of the tiers' slot records
     from ..optim import SGD
 
     f32, i64 = np.float32, np.int64
@@ -104,7 +105,7 @@ def _exercise_kernels(part: int | None = None) -> None:
     for opt in (SGD(lr=0.1),) if part in (None, 0) else ():
         kernel, params = FUSED[type(opt)]
         hp, coef = params(opt, np.ones(1, dtype=i64))
-        kernel(dev, host, hoff, 4, np.zeros(4, dtype=np.bool_), np.zeros(8, dtype=np.bool_), gslot, np.zeros(2, dtype=i64),
+        kernel(dev, host, hoff, 4, slot_records(4)[4], slot_records(8)[4], gslot, np.zeros(2, dtype=i64),
                np.array([4], dtype=i64), np.arange(3, dtype=i64), np.array([0, 1], dtype=i64),
                np.array([1, 2], dtype=i64), np.array([0, 2], dtype=i64), src, grad, np.zeros(0, dtype=f32),
                np.zeros(0, dtype=f32) if coef is None else coef, *hp)

@@ -47,7 +47,7 @@ from ..eviction import PolicySpec, resolve_policy
 from ..core import plan as _plan
 from ..core.index import KeyIndex
 from ..core.jit import announce_compile
-from ..core.replay import replay
+from ..core.replay import rank_dense, replay
 from ..stats import IO, STAT_TIERS, Counters, Stat
 from ..tiers.slots import SlotTier, by_tier
 from ..types import Tier
@@ -155,16 +155,18 @@ class SimResult:
         }
 
 
-def _rank(ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """Each id's rank among the distinct ids (as ``np.unique``'s inverse), and their number."""
+def _rank(ids: np.ndarray, out: np.ndarray | None = None, base: int = 0) -> tuple[np.ndarray, int]:
+    """Each id's rank among the distinct ids (as ``np.unique``'s inverse) plus ``base``,
+    written to ``out`` (a new array if None), and the number of distinct ids."""
+    out = np.empty(ids.size, dtype=np.int64) if out is None else out
+    if not ids.size:
+        return out, 0
     hi = int(ids.max())
-    if hi <= 4 * ids.size + (1 << 16):  # dense enough: a presence table, O(n + max)
-        present = np.zeros(hi + 1, dtype=np.int64)
-        present[ids] = 1
-        rank = np.cumsum(present) - 1
-        return rank[ids], int(rank[-1]) + 1
+    if hi <= 4 * ids.size + (1 << 16):  # dense enough: a presence table, O(n + max), compiled
+        return out, int(rank_dense(ids, hi, out, base))
     u, inv = np.unique(ids, return_inverse=True)
-    return inv.reshape(-1), u.size
+    out[:] = inv.reshape(-1) + base
+    return out, u.size
 
 
 def dense_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -179,8 +181,11 @@ def dense_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
         ids = trace.ids[m]
         if not ids.size:
             continue
-        inv, nu = _rank(ids)  # dense order = (table, id) order
-        dense[m] = inv + base
+        if single:  # straight into the result: no temporaries (a trace's ids are 80 MB per 10M)
+            _, nu = _rank(ids, dense, base)
+        else:
+            inv, nu = _rank(ids, None, base)  # dense order = (table, id) order
+            dense[m] = inv
         tables_of_rows.append(np.full(nu, t, dtype=np.int64))
         base += nu
     return dense, (np.concatenate(tables_of_rows) if tables_of_rows else np.zeros(0, dtype=np.int64))

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from ..core.layout import RECORD
 from ..eviction import PolicySpec
 from ..types import Tier
 from .slots import SlotTier
@@ -341,14 +342,14 @@ class HostTier(SlotTier):
         return sum(n * w for n, w in zip(resident, widths)) * 4
 
     def nbytes(self) -> int:
-        return self.record_bytes() + self.capacity * (22 + (0 if self.uniform else 16))  # + hoff, hcls
+        return self.record_bytes() + self.capacity * (RECORD + 8 + (0 if self.uniform else 16))  # + hoff, hcls
 
     def check(self) -> None:
         """Assert every occupied slot holds a record of its row's width, no two share one,
         and the free stacks hold exactly the rest (mixed layout)."""
         if self.uniform:
             return
-        kt = self.state[0]
+        kt = self.state[0][:self.capacity]
         occ = kt >= 0
         assert (self.hcls[occ] == self.tcls[kt[occ]]).all(), "host: a row without a record of its width"
         assert np.unique(self.hoff[self.hcls >= 0]).size == int((self.hcls >= 0).sum()), "host: records shared"

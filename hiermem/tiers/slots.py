@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..core.index import as_array
+from ..core.layout import RECORD, slot_records
 from ..core.plan import BASE, CAP, NFREE, NPINNED
 from ..eviction import PolicySpec
 from ..types import Tier
@@ -65,17 +66,16 @@ class SlotTier:
         self.data = torch.zeros((C, self.width), dtype=torch.float32, device=self.device,
                                 pin_memory=pin_memory and self.device.type == "cpu")
         self.base = int(base)
-        kt = np.full(C, -1, dtype=np.int64)
-        kk = np.zeros(C, dtype=np.int64)
-        dirty = np.zeros(C, dtype=np.bool_)
-        pins = np.zeros(C, dtype=np.int32)
+        # one 32-byte record per slot (hiermem.core.layout): a row changing tier touches
+        # one cache line of its old slot's state and one of its new slot's
+        kt, kk, key, pins, dirty, mark = slot_records(C)
         free = np.arange(C - 1, -1, -1, dtype=np.int64)
         self.meta = np.array([C, 0, C, self.base], dtype=np.int64)  # nfree, npinned, capacity, base
-        mark = np.zeros(C, dtype=np.uint8)
         self.state = (kt, kk, dirty, pins, free, self.meta, mark)
-        self.keys_t, self.keys_k = torch.from_numpy(kt), torch.from_numpy(kk)
-        self.dirty, self.pins = torch.from_numpy(dirty), torch.from_numpy(pins)
+        self.keys_t, self.keys_k = torch.from_numpy(kt[:C]), torch.from_numpy(kk[:C])
+        self.dirty, self.pins = torch.from_numpy(dirty[:C]), torch.from_numpy(pins[:C])
         self.policy = policy.build(C)
+        self.policy.adopt_keys(key)
         assert self.meta[CAP] == C and self.meta[BASE] == self.base
 
     @property
@@ -142,4 +142,4 @@ class SlotTier:
         return sum(resident) * self.width * 4
 
     def nbytes(self) -> int:
-        return self.record_bytes() + self.capacity * 22
+        return self.record_bytes() + self.capacity * (RECORD + 8)  # slot record, free stack

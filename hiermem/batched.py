@@ -427,7 +427,7 @@ class BatchedOps:
             if ids.numel() == 0:
                 return torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
             b = self._batch(ti, ids)
-            extra = self._extras(b, offsets, bag, scale)
+            extra = self._staged_path.extras(b, offsets, bag, scale)
             p = self._place(b, account=True, extra=extra)
             self._memo = self._memo_of(ids_in, ids, b, p, ti)
             return self.plane.pool(self, p, b.inverse, offsets, ids.numel(), dim, mode,
@@ -480,14 +480,14 @@ class BatchedOps:
                 return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
             prefetched = b is not None
             b = self._batch_multi(t, k) if b is None else b
-            extra = self._extras(b, offsets, bag, scale)
+            extra = self._staged_path.extras(b, offsets, bag, scale)
             if prefetched and ticket.pinned and not ticket.released and ticket.slots is not None:
                 # pinned on the device by its prefetch: rows stay put
                 self.counters.add_io(IO.PREFETCH_HITS, n)
                 p = Placement(None, ticket.slots)
             else:
                 p = self._place_batch(b, ticket, extra)
-            self._staged(b, p, extra)  # the plan's, the placement's and the step's arrays: one copy
+            self._staged_path.staged(b, p, extra)  # the plan's, the placement's and the step's arrays: one copy
             self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
                                         per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
             return self.plane.pool(self, p, b.inverse, offsets, n, D, mode,
@@ -541,8 +541,8 @@ class BatchedOps:
                       stepped=None) -> None:
         """Apply the gradients of bags ``grad`` to the rows of batch ``b`` (placement ``p``,
         None: place it now): one optimizer step per distinct row, in place in its tier."""
-        self._check_deferred()
-        rg = self._row_grads(b, p, grad, bag, scale)
+        self._staged_path.check_deferred()
+        rg = self._staged_path.row_grads(b, p, grad, bag, scale)
         self.plane.check(rg, "gradients")
         if p is None:
             try:
@@ -552,12 +552,12 @@ class BatchedOps:
                     raise
                 p = self._place(b, account=False)
         if self._staging and p.dev is None:  # located, not placed: its slots to the device
-            p.dev = self._stage(b, p)
+            p.dev = self._staged_path.stage(b, p)
         present = tables_present(b.t.contiguous().numpy(), len(self.tables)).tolist()  # one compiled pass
         steps = sorted(set(stepped or ()) | set(present))
         for ti in steps:  # in the batch without ids: a step, as SparseAdam's
             self._steps[ti] += 1
         self.plane.apply(self, rg, p, present)
-        self._defer(rg, steps, "gradients")
+        self._staged_path.defer(rg, steps, "gradients")
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())

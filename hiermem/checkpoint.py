@@ -31,14 +31,11 @@ import shutil
 from pathlib import Path
 
 import lmdb
-import numpy as np
-import torch
 
-from .errors import (DiskFullError, HierMemError, InvalidArgumentError, NonFiniteGradientError, StoreFormatError,
-                     StoreIOError)
+from .errors import DiskFullError, HierMemError, StoreFormatError, StoreIOError
 from . import locks
 from .locks import READERS_LOCK, STORE_LOCK
-from .tiers.disk import DiskTier, _disk_full, decode_keys
+from .tiers.disk import DiskTier, _disk_full
 
 _FILES = ("data.mdb",)
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?:tmp|restore)-(?P<pid>[0-9]+)")
@@ -170,190 +167,99 @@ def _lock_for_restore(path: Path) -> tuple[int, int]:
         raise
 
 
-class Checkpointing:
-    """Checkpoint, restore and export; mixed into HierarchicalStore."""
+class Checkpoints:
+    """A store's checkpoints: where it has checkpointed into (at most eight directories,
+    the latest first, saved in its metadata, so their stale temporaries are removed when
+    it reopens) and :meth:`take` a checkpoint.  Owned by a
+    :class:`~hiermem.store.HierarchicalStore`, whose ``checkpoint`` calls it under the
+    store's lock.
 
-    def checkpoint(self, dest: str | os.PathLike) -> Path:
-        """Flush, then snapshot the whole store into the new directory ``dest``.
+    Args:
+        path: the store's directory.
+        meta: its metadata as read at open (None for a new store).
+    """
 
-        The snapshot holds every row's latest value (all tiers), the optimizer state and
-        the layout.  It is written to a temporary directory and renamed into place, so
-        ``dest`` appears complete or not at all.  Stale temporaries of killed
-        checkpoints in ``dest``'s directory are removed first.
-
-        Raises:
-            HierMemError: ``dest`` exists.
-            DiskFullError: no room for the copy (``dest`` is not created).
-            StoreIOError: an I/O error writing it (``dest`` is not created).
-        """
-        dest = Path(dest).absolute()
-        with self._lock:
-            self._check_open()
-            self._refuse_readonly("checkpoint")
-            if dest.exists():
-                raise HierMemError(f"{dest}: checkpoint directory exists; pick a new one")
-            self.stale_temporaries_removed += len(clean_stale_temporaries(dest.parent))
-            self._checkpoint_dirs = [str(dest.parent)] + [d for d in self._checkpoint_dirs
-                                                          if d != str(dest.parent)][:7]
-            self.flush()
-
-            def copy(tmp: Path) -> None:
-                try:
-                    self._disk.env.copy(str(tmp), compact=True)
-                except lmdb.Error as e:
-                    if _disk_full(tmp, e):
-                        raise DiskFullError(errno.ENOSPC, f"{dest}: disk full writing the checkpoint") from e
-                    from .tiers.ioerrors import typed
-                    raise typed(dest, e, "checkpoint copy") from e
-            _publish_dir(dest, copy)
-            return dest
-
-    def _refuse_readonly(self, what: str) -> None:
-        """Hook of read-only handles (:mod:`hiermem.readonly`); a store writes."""
-
-    def _clean_temporaries(self, meta: dict | None) -> None:
-        """Remove stale temporaries beside the store and in the directories it has
-        checkpointed into (named in its metadata); count them."""
-        self._checkpoint_dirs = [d for d in (meta or {}).get("checkpoint_dirs", []) if isinstance(d, str)][:8]
-        n = len(clean_stale_temporaries(self.path.parent, self.path.name))
-        for d in self._checkpoint_dirs:
+    def __init__(self, path: Path, meta: dict | None):
+        self.dirs = [d for d in (meta or {}).get("checkpoint_dirs", []) if isinstance(d, str)][:8]
+        n = len(clean_stale_temporaries(path.parent, path.name))
+        for d in self.dirs:
             n += len(clean_stale_temporaries(d))
-        self.stale_temporaries_removed = n
+        #: stale temporaries removed (at open and by checkpoints since)
+        self.stale_removed = n
 
-    @classmethod
-    def restore(cls, checkpoint: str | os.PathLike, path: str | os.PathLike, **overrides):
-        """Replace the store at ``path`` by a copy of ``checkpoint`` and open it.
+    def take(self, dest: Path, flush, env: lmdb.Environment) -> Path:
+        """Remove stale temporaries in ``dest``'s directory, ``flush()`` the store, then copy
+        its LMDB environment ``env`` (compacting) into ``dest`` (absolute, new) through a
+        temporary directory renamed into place.  See ``HierarchicalStore.checkpoint``."""
+        if dest.exists():
+            raise HierMemError(f"{dest}: checkpoint directory exists; pick a new one")
+        self.stale_removed += len(clean_stale_temporaries(dest.parent))
+        self.dirs = [str(dest.parent)] + [d for d in self.dirs if d != str(dest.parent)][:7]
+        flush()
 
-        ``path`` must not be open, in this process or another, for training or read-only;
-        restore holds the store's lock from the check to the open, and the swap is one
-        atomic rename of the data file, so a kill at any moment leaves the old store or
-        the checkpoint.  ``overrides`` are as for :meth:`open`.
+        def copy(tmp: Path) -> None:
+            try:
+                env.copy(str(tmp), compact=True)
+            except lmdb.Error as e:
+                if _disk_full(tmp, e):
+                    raise DiskFullError(errno.ENOSPC, f"{dest}: disk full writing the checkpoint") from e
+                from .tiers.ioerrors import typed
+                raise typed(dest, e, "checkpoint copy") from e
+        _publish_dir(dest, copy)
+        return dest
 
-        Raises:
-            StoreFormatError: ``checkpoint`` is not a store checkpoint, or ``path`` holds
-                something else.
-            HierMemError: ``path`` is open somewhere.
-            DiskFullError, StoreIOError: copying failed (the store is untouched).
-        """
-        ck, path = Path(checkpoint).absolute(), Path(path).absolute()
-        from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK
 
-        with _OPEN_LOCK:
-            if os.path.realpath(path) in _OPEN:
-                raise HierMemError(f"{path}: store is open in this process; close it before restoring over it")
-        if not (ck / "data.mdb").is_file():
-            raise StoreFormatError(ck, "not a hiermem checkpoint (no data.mdb)")
-        if path.exists() and (not path.is_dir() or (not (path / "data.mdb").exists() and any(
-                p.name not in (STORE_LOCK, READERS_LOCK, "lock.mdb") for p in path.iterdir()))):
-            raise StoreFormatError(path, "not a hiermem store: restore will not replace it")
-        lockfd, readers_fd = _lock_for_restore(path)
-        try:
-            clean_stale_temporaries(path.parent, path.name)
-            new = path.parent / f".{path.name}.restore-{os.getpid()}"
+def restore(checkpoint: str | os.PathLike, path: str | os.PathLike, open_store):
+    """Replace the store at ``path`` by a copy of ``checkpoint``, then ``open_store()`` it
+    (with the store's lock handed over to that open).  See ``HierarchicalStore.restore``."""
+    ck, path = Path(checkpoint).absolute(), Path(path).absolute()
+    from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK
+
+    with _OPEN_LOCK:
+        if os.path.realpath(path) in _OPEN:
+            raise HierMemError(f"{path}: store is open in this process; close it before restoring over it")
+    if not (ck / "data.mdb").is_file():
+        raise StoreFormatError(ck, "not a hiermem checkpoint (no data.mdb)")
+    if path.exists() and (not path.is_dir() or (not (path / "data.mdb").exists() and any(
+            p.name not in (STORE_LOCK, READERS_LOCK, "lock.mdb") for p in path.iterdir()))):
+        raise StoreFormatError(path, "not a hiermem store: restore will not replace it")
+    lockfd, readers_fd = _lock_for_restore(path)
+    try:
+        clean_stale_temporaries(path.parent, path.name)
+        new = path.parent / f".{path.name}.restore-{os.getpid()}"
+        shutil.rmtree(new, ignore_errors=True)
+        copy_store_files(ck, new)
+        try:  # validate the copy before the live store is touched
+            disk = DiskTier(new, create=False)
+            try:
+                if disk.read_meta() is None:
+                    raise StoreFormatError(ck, "an empty LMDB environment, not a hiermem checkpoint")
+            finally:
+                disk.close()
+            (new / "lock.mdb").unlink(missing_ok=True)
+        except StoreFormatError as e:
             shutil.rmtree(new, ignore_errors=True)
-            copy_store_files(ck, new)
-            try:  # validate the copy before the live store is touched
-                disk = DiskTier(new, create=False)
-                try:
-                    if disk.read_meta() is None:
-                        raise StoreFormatError(ck, "an empty LMDB environment, not a hiermem checkpoint")
-                finally:
-                    disk.close()
-                (new / "lock.mdb").unlink(missing_ok=True)
-            except StoreFormatError as e:
-                shutil.rmtree(new, ignore_errors=True)
-                raise StoreFormatError(ck, f"not a hiermem checkpoint: {e}") from e
-            except BaseException:
-                shutil.rmtree(new, ignore_errors=True)
-                raise
-            # swap the data file inside the locked directory: one atomic rename, so a kill
-            # at any moment leaves the old store or the checkpoint, never no store
-            os.replace(new / "data.mdb", path / "data.mdb")
-            _fsync_dir(path)
-            shutil.rmtree(new, ignore_errors=True)
+            raise StoreFormatError(ck, f"not a hiermem checkpoint: {e}") from e
         except BaseException:
-            os.close(lockfd)
-            os.close(readers_fd)
+            shutil.rmtree(new, ignore_errors=True)
             raise
-        os.close(readers_fd)  # readers may come now; the store's own lock passes to the open
-        key = os.path.realpath(path)
+        # swap the data file inside the locked directory: one atomic rename, so a kill
+        # at any moment leaves the old store or the checkpoint, never no store
+        os.replace(new / "data.mdb", path / "data.mdb")
+        _fsync_dir(path)
+        shutil.rmtree(new, ignore_errors=True)
+    except BaseException:
+        os.close(lockfd)
+        os.close(readers_fd)
+        raise
+    os.close(readers_fd)  # readers may come now; the store's own lock passes to the open
+    key = os.path.realpath(path)
+    with _OPEN_LOCK:
+        _HANDOFF[key] = lockfd
+    try:
+        return open_store()
+    finally:
         with _OPEN_LOCK:
-            _HANDOFF[key] = lockfd
-        try:
-            return cls.open(path, **overrides)
-        finally:
-            with _OPEN_LOCK:
-                fd = _HANDOFF.pop(key, None)
-            if fd is not None:  # the open failed before taking it
-                os.close(fd)
-
-    def export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row of ``table`` that was ever written: ``(ids [n], records [n, width])``.
-
-        Records are ``[weight | optimizer state]``; rows never written are not listed
-        (their value is the initialiser's).  Flushes first.  Not a hot path: one LMDB
-        cursor pass over the table's key range.
-        """
-        with self._lock:
-            self._check_open()
-            ti = self.table_index(table)
-            self.flush()
-            w = self.widths[ti]
-            keys, vals = [], []
-            db = self._disk.table_database(ti)  # None: nothing of the table was ever written
-            if db is not None:
-                with self._disk.env.begin(db=db, buffers=False) as txn:
-                    for k, v in txn.cursor():
-                        keys.append(k)
-                        vals.append(v)
-            ids = decode_keys(b"".join(keys)).astype(np.int64)
-            rec = np.frombuffer(b"".join(vals), dtype="<f4").reshape(len(keys), w)
-            return torch.from_numpy(ids.copy()), torch.from_numpy(rec.copy())
-
-    def import_records(self, table: str, ids: torch.Tensor, records: torch.Tensor) -> None:
-        """Set whole records ``[n, width]`` (weights and optimizer state) of rows.
-
-        Resident rows are overwritten in their slots (and marked dirty); the others are
-        written straight to LMDB in one transaction, so importing a table larger than
-        the tiers does not churn the cache.  For duplicate ids the last record wins.
-        """
-        with self._lock:
-            self._check_open()
-            ti = self.table_index(table)
-            ids = self._ids(ti, ids)
-            w = self.widths[ti]
-            if not isinstance(records, torch.Tensor) or tuple(records.shape) != (ids.numel(), w):
-                raise InvalidArgumentError(f"records of table {table} must have shape {(ids.numel(), w)}")
-            rec = records.detach().to("cpu", torch.float32)  # indexed by the batch's CPU tensors
-            if ids.numel() and not bool(torch.isfinite(rec).all()):
-                raise NonFiniteGradientError(f"records of table {table} contain NaN or inf; nothing changed")
-            if ids.numel() == 0:
-                return
-            b = self._batch(ti, ids)
-            rec = rec.index_select(0, b.lastpos)
-            g = self._keys.find(b.t, b.k)
-            res = g >= 0
-            out = (~res).nonzero().squeeze(1)
-            if out.numel():
-                self._disk.write([(ti, b.k[out].cpu().numpy(), rec[out].cpu().numpy())], meta=self._meta())
-            ri = res.nonzero().squeeze(1)
-            if ri.numel():
-                from .batches import Batch
-
-                sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
-                self._scatter(self._locate(sub), rec.index_select(0, ri))
-
-    def clear(self) -> None:
-        """Forget every row: all tables return to their initial values (LMDB emptied)."""
-        with self._lock:
-            self._check_open()
-            for tier in (self._dev, self._host):
-                occ = tier.occupied()
-                if bool((tier.pins[occ] > 0).any()):
-                    raise HierMemError("cannot clear a store with pinned rows (a prefetch is in flight)")
-            for tier in (self._dev, self._host):
-                self._keys.remove_slots(tier.g(tier.occupied()))
-                tier.clear()
-            self._epoch += 1
-            self._memo = self._multi_memo = None
-            self._disk.clear_rows(meta=self._meta())
+            fd = _HANDOFF.pop(key, None)
+        if fd is not None:  # the open failed before taking it
+            os.close(fd)

@@ -119,6 +119,12 @@ class Counters:
     def add_io(self, what: IO, n: int) -> None:
         self._io[what] += int(n)
 
+    def add_moves(self, up: int, down: int, width: int) -> None:
+        """Bytes of ``up`` rows copied to the device and ``down`` rows to the host
+        (records of ``width`` float32)."""
+        self._io[IO.BYTES_HOST_TO_DEVICE] += up * width * 4
+        self._io[IO.BYTES_DEVICE_TO_HOST] += down * width * 4
+
 
 def timed(hist: str):
     """Decorator: record a store method's duration (under the store's lock) in ``counters.<hist>``."""

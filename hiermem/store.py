@@ -38,21 +38,22 @@ from .core import plan as _plan
 from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
 from .dataplane import DataPlane, default_plane, plane_named
-from .dataplane.staging import CopyStream, PinnedRing, Stager, to_host
+from .dataplane.staging import to_host
 from .batches import Batch, Placement, dedup
 from .batched import BatchedOps
-from .staged import StagedOps
+from .staged import StagedPath
 from . import locks, validate
-from .checkpoint import Checkpointing
+from .checkpoint import Checkpoints, restore as restore_checkpoint
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, HostTier, SlotTier
+from .tiers.disk import decode_keys
 from .tiers.slots import Rows, by_table, by_tier
 from .types import StoreConfig, TableSpec, Tier
 
 from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS  # noqa: E402
 
 
-class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
+class HierarchicalStore(BatchedOps):
     """Embedding tables over device, host and disk tiers.
 
     Args:
@@ -99,7 +100,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
                 meta_counters = (meta or {}).get("counters")
                 self._steps = self._check_layout(meta)
                 self._flush_seq = int((meta or {}).get("flush_seq", 0))
-                self._clean_temporaries(meta)
+                self._checkpoints = Checkpoints(self.path, meta)  # (stale temporaries removed)
             except BaseException:
                 self._disk.close()
                 raise
@@ -112,19 +113,13 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         self._host = HostTier(config.host_rows, self.widths, [s.num_rows for s in tables], self.policy,
                               base=config.device_rows, pin_memory=cuda)
         self._ws = _plan.workspace(1024)
-        # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
-        # in one copy, rows moved on a side stream, evictions landing in the host tier lazily
-        self._stager = Stager(self.device)
-        self._copies = CopyStream(self.device)
-        self._rows_ring = PinnedRing(pinned=self.device.type == "cuda", dtype=torch.float32)
-        self._pending_down: list[tuple] = []  # (event, pinned rows, host slots) not yet in the host tier
-        self._nonfinite: list[tuple] = []  # (event, pinned flag, tables, what) of updates checked on the device
-        #: check gradients for NaN/inf on the device, masking the update and raising at the
-        #: next update or flush, instead of a host sync per update (CUDA; see docs/dataplane.md)
-        self.defer_nonfinite = self.device.type == "cuda"
-        self.plane: DataPlane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.counters = Counters(len(tables))
+        # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
+        # in one copy, rows moved on a side stream, evictions landing in the host tier lazily
+        self._staged_path = StagedPath(self.device, self._dev, self._host, self.width, self.counters, self._steps)
+        self._stager = self._staged_path.stager  # (its copy count, for tests)
+        self.plane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._base_table, self._base_io = self._saved_counters(meta_counters)
         self._clock = 0
         self._epoch = 0  # bumped whenever any row changes tier
@@ -210,7 +205,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         meta = {**self._layout(), "device": str(self.device), "device_rows": c.device_rows,
                 "host_rows": c.host_rows, "policy": policy, "prefetch_depth": c.prefetch_depth,
                 "steps": {s.name: self._steps[i] for i, s in enumerate(self.tables)},
-                "flush_seq": getattr(self, "_flush_seq", 0), "checkpoint_dirs": getattr(self, "_checkpoint_dirs", [])}
+                "flush_seq": getattr(self, "_flush_seq", 0), "checkpoint_dirs": self._checkpoints.dirs if hasattr(self, "_checkpoints") else []}
         if hasattr(self, "counters"):  # cumulative counters ride along with every metadata write
             table, io = self.cumulative_counters()
             meta["counters"] = {"table": table.tolist(), "io": {k.name.lower(): int(io[k]) for k in IO}}
@@ -357,7 +352,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         fail runs (LMDB read of the rows from disk, write-back of dirty victims), so an
         error leaves the store as it was; then the plan is committed and the data plane
         copies the records it names.  ``extra``: the step's own control arrays (see
-        :meth:`_extras`), staged to the device in the same copy as the plan's.
+        :meth:`~hiermem.staged.StagedPath.extras`), staged to the device in the same copy as the plan's.
         """
         bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
         U = bk.size
@@ -390,7 +385,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         if M == 0:
             p = Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()))
             if self._staging:
-                p.dev = self._stage(b, p, extra)
+                p.dev = self._staged_path.stage(b, p, extra)
             return p
         self._epoch += 1
         self._memo = None
@@ -399,7 +394,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
         p = Placement(None if bool(ondev.all()) else ondev, slot, was_dev)
         if self._staging:
-            self._move_staged(ws, res, rec_disk, p, b, extra)
+            self._staged_path.move(ws, res, rec_disk, p, b, extra)
         else:
             self._copy_plan(ws, res, rec_disk)
         return p
@@ -413,7 +408,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             if slots.size:
                 s = torch.from_numpy(slots)
                 if tier is self._host:
-                    self._settle_host()
+                    self._staged_path.settle_host()
                     rec = tier.read(s, self.width)
                 else:
                     rec = to_host(tier.data.index_select(0, s.to(tier.device, non_blocking=True)), "evict_to_disk")
@@ -425,7 +420,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         """The data plane of a committed plan on a CPU store: the device victims' records
         gathered, the host records coming up copied into their device slots in one pass
         (:meth:`~hiermem.dataplane.DataPlane.rows_up`), the victims written to the host,
-        then disk records into place (:meth:`_move_staged` is the staged form, CUDA's).  Host slots emptied
+        then disk records into place (:meth:`~hiermem.staged.StagedPath.move` is the staged form, CUDA's).  Host slots emptied
         by the plan give back their records and those filled get one of their row's width
         (:class:`~hiermem.tiers.HostTier`) before anything is written."""
         dev, host, dd = self._dev, self._host, self.device
@@ -443,7 +438,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
             host.assign(dn_dst)
             host.write(dn_dst, down)
-        self._count_moves(nu, nd, int(res[_plan.NB]))
+        self.counters.add_moves(nu + int(res[_plan.NB]), nd, self.width)
         if rec_disk is None:
             return
         n, nb = rec_disk.shape[0], int(res[_plan.NB])
@@ -454,11 +449,6 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             hs = dst[nb:] - host.base
             host.assign(hs)
             host.write(hs, rec_disk[nb:])
-
-    def _count_moves(self, nu: int, nd: int, nb: int) -> None:
-        w = self.width * 4
-        self.counters.add_io(IO.BYTES_DEVICE_TO_HOST, nd * w)
-        self.counters.add_io(IO.BYTES_HOST_TO_DEVICE, (nu + nb) * w)
 
     def _place(self, b: Batch, account: bool, record: bool = True, extra: dict | None = None) -> Placement:
         if not account:
@@ -478,18 +468,18 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             src = dev.data if cols == dev.width else dev.data[:, :cols]
             return src.index_select(0, p.slot if d is None else d.slot)
         out = torch.empty((p.slot.numel(), cols), dtype=torch.float32, device=self.device)
-        self._settle_host()
+        self._staged_path.settle_host()
         if d is None:
             di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
             out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
             out[hi] = self._host.read(p.slot[hi], cols).to(self.device)
             return out
         # the host rows: gathered on the CPU into pinned memory, one copy up
-        rows = self._rows_ring.take(d.host_slot.numel() * cols).view(-1, cols)
+        rows = self._staged_path.rows_ring.take(d.host_slot.numel() * cols).view(-1, cols)
         self._host.read(d.host_slot, cols, out=rows)
         out.index_copy_(0, d.dev_idx, dev.data[:, :cols].index_select(0, d.dev_slot))
         out.index_copy_(0, d.host_idx, rows.to(self.device, non_blocking=True))
-        self._rows_ring.done(rows)
+        self._staged_path.rows_ring.done(rows)
         return out
 
     def _parts(self, p: Placement):
@@ -504,14 +494,14 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             if d.dev_idx.numel():
                 out.append((self._dev, d.dev_slot, d.dev_idx, d.dev_slot_cpu))
             if d.host_idx.numel():
-                self._settle_host()
+                self._staged_path.settle_host()
                 out.append((self._host, d.host_slot, d.host_idx, d.host_slot))
             return out
         for tier, mask in ((self._dev, p.on_device), (self._host, ~p.on_device)):
             idx = mask.nonzero().squeeze(1)
             if idx.numel():
                 if tier is self._host:
-                    self._settle_host()
+                    self._staged_path.settle_host()
                 cs = p.slot.index_select(0, idx)
                 out.append((tier, cs.to(tier.device), idx.to(self.device), cs))
         return out
@@ -544,7 +534,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             if ids.numel() == 0:
                 return torch.empty((0, dim), dtype=torch.float32, device=self.device)
             b = self._batch(ti, ids)
-            p = self._place(b, account=True, extra=self._extras(b))
+            p = self._place(b, account=True, extra=self._staged_path.extras(b))
             # keyed by the caller's tensor (ids of a CUDA caller were copied to the CPU)
             self._memo = self._memo_of(ids_in, ids, b, p, ti)
             return self._rows(p, b, dim)
@@ -595,11 +585,11 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         ``grads[src[j]] * scale[j]`` (``grads[j]`` when ``src`` is None) to its row."""
         if ids.numel() == 0:
             return
-        self._check_deferred()
+        self._staged_path.check_deferred()
         memo = self._memo_for(ti, ids_in)
         b, p = memo if memo is not None else (self._batch(ti, ids), None)
         # the bags of this call's offsets (the memo matched the ids only): staged afresh
-        rg = self._row_grads(b, p, grads, src, scale, reuse_bags=False)
+        rg = self._staged_path.row_grads(b, p, grads, src, scale, reuse_bags=False)
         what = f"grads of table {self.tables[ti].name}"
         # every row's gradient is checked before anything changes
         self.plane.check(rg, what)
@@ -607,7 +597,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             p = self._place(b, account=False)
         self._steps[ti] += 1
         self.plane.apply(self, rg, p, [ti])
-        self._defer(rg, [ti], what)
+        self._staged_path.defer(rg, [ti], what)
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -647,6 +637,33 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
         with self._lock:
             self._steps[self.table_index(table)] = step
+
+    @property
+    def plane(self) -> DataPlane:
+        """The data plane object executing pooling and the fused optimizer."""
+        return self._plane
+
+    @plane.setter
+    def plane(self, plane: DataPlane) -> None:
+        self._plane = plane
+        self._staged_path.active = self._staging
+
+    @property
+    def _staging(self) -> bool:
+        """Whether the data plane reads staged control arrays: on CUDA, and on the CPU
+        under the torch plane (so CPU tests run the same code)."""
+        return self.device.type == "cuda" or self._plane.name == "torch"
+
+    @property
+    def defer_nonfinite(self) -> bool:
+        """Check gradients for NaN/inf on the device, masking the update and raising at
+        the next update or flush, instead of a host sync per update (default on CUDA;
+        see docs/dataplane.md)."""
+        return self._staged_path.defer_nonfinite
+
+    @defer_nonfinite.setter
+    def defer_nonfinite(self, on: bool) -> None:
+        self._staged_path.defer_nonfinite = bool(on)
 
     @property
     def data_plane(self) -> str:
@@ -733,8 +750,8 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
         """Write every dirty row to LMDB in one transaction and sync it to disk."""
         with self._lock:
             self._check_open()
-            self._check_deferred()
-            self._settle_host()
+            self._staged_path.check_deferred()
+            self._staged_path.settle_host()
             parts = []
             for tier in (self._dev, self._host):
                 s = tier.dirty.nonzero().squeeze(1)
@@ -760,7 +777,7 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
                 return
             try:
                 self.stop_recording()
-                self._check_deferred(raise_=False)  # a refused update's step undone; nothing to raise into
+                self._staged_path.check_deferred(raise_=False)  # a refused update's step undone; nothing to raise into
                 self.flush()
             finally:
                 self._closed = True
@@ -865,6 +882,117 @@ class HierarchicalStore(BatchedOps, StagedOps, Checkpointing):
             pairs = torch.stack((t, k), 1)
             assert torch.unique(pairs, dim=0).shape[0] == t.numel(), "a row is resident twice"
             self._host.check()
+
+    # -- checkpoints and whole-table transfers ---------------------------------------------
+    def checkpoint(self, dest: str | os.PathLike) -> Path:
+        """Flush, then snapshot the whole store into the new directory ``dest``.
+
+        The snapshot holds every row's latest value (all tiers), the optimizer state and
+        the layout.  It is written to a temporary directory and renamed into place, so
+        ``dest`` appears complete or not at all.  Stale temporaries of killed
+        checkpoints in ``dest``'s directory are removed first.
+
+        Raises:
+            HierMemError: ``dest`` exists.
+            DiskFullError: no room for the copy (``dest`` is not created).
+            StoreIOError: an I/O error writing it (``dest`` is not created).
+        """
+        dest = Path(dest).absolute()
+        with self._lock:
+            self._check_open()
+            return self._checkpoints.take(dest, self.flush, self._disk.env)
+
+    @classmethod
+    def restore(cls, checkpoint: str | os.PathLike, path: str | os.PathLike, **overrides) -> "HierarchicalStore":
+        """Replace the store at ``path`` by a copy of ``checkpoint`` and open it.
+
+        ``path`` must not be open, in this process or another, for training or read-only;
+        restore holds the store's lock from the check to the open, and the swap is one
+        atomic rename of the data file, so a kill at any moment leaves the old store or
+        the checkpoint.  ``overrides`` are as for :meth:`open`.
+
+        Raises:
+            StoreFormatError: ``checkpoint`` is not a store checkpoint, or ``path`` holds
+                something else.
+            HierMemError: ``path`` is open somewhere.
+            DiskFullError, StoreIOError: copying failed (the store is untouched).
+        """
+        return restore_checkpoint(checkpoint, path, lambda: cls.open(path, **overrides))
+
+    @property
+    def stale_temporaries_removed(self) -> int:
+        """Temporaries of killed checkpoints and restores removed (at open, and by
+        checkpoints since)."""
+        return self._checkpoints.stale_removed
+
+    def export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row of ``table`` that was ever written: ``(ids [n], records [n, width])``.
+
+        Records are ``[weight | optimizer state]``; rows never written are not listed
+        (their value is the initialiser's).  Flushes first.  Not a hot path: one LMDB
+        cursor pass over the table's key range.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            self.flush()
+            w = self.widths[ti]
+            keys, vals = [], []
+            db = self._disk.table_database(ti)  # None: nothing of the table was ever written
+            if db is not None:
+                with self._disk.env.begin(db=db, buffers=False) as txn:
+                    for k, v in txn.cursor():
+                        keys.append(k)
+                        vals.append(v)
+            ids = decode_keys(b"".join(keys)).astype(np.int64)
+            rec = np.frombuffer(b"".join(vals), dtype="<f4").reshape(len(keys), w)
+            return torch.from_numpy(ids.copy()), torch.from_numpy(rec.copy())
+
+    def import_records(self, table: str, ids: torch.Tensor, records: torch.Tensor) -> None:
+        """Set whole records ``[n, width]`` (weights and optimizer state) of rows.
+
+        Resident rows are overwritten in their slots (and marked dirty); the others are
+        written straight to LMDB in one transaction, so importing a table larger than
+        the tiers does not churn the cache.  For duplicate ids the last record wins.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids = self._ids(ti, ids)
+            w = self.widths[ti]
+            if not isinstance(records, torch.Tensor) or tuple(records.shape) != (ids.numel(), w):
+                raise InvalidArgumentError(f"records of table {table} must have shape {(ids.numel(), w)}")
+            rec = records.detach().to("cpu", torch.float32)  # indexed by the batch's CPU tensors
+            if ids.numel() and not bool(torch.isfinite(rec).all()):
+                raise NonFiniteGradientError(f"records of table {table} contain NaN or inf; nothing changed")
+            if ids.numel() == 0:
+                return
+            b = self._batch(ti, ids)
+            rec = rec.index_select(0, b.lastpos)
+            g = self._keys.find(b.t, b.k)
+            res = g >= 0
+            out = (~res).nonzero().squeeze(1)
+            if out.numel():
+                self._disk.write([(ti, b.k[out].cpu().numpy(), rec[out].cpu().numpy())], meta=self._meta())
+            ri = res.nonzero().squeeze(1)
+            if ri.numel():
+                sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
+                self._scatter(self._locate(sub), rec.index_select(0, ri))
+
+    def clear(self) -> None:
+        """Forget every row: all tables return to their initial values (LMDB emptied)."""
+        with self._lock:
+            self._check_open()
+            for tier in (self._dev, self._host):
+                occ = tier.occupied()
+                if bool((tier.pins[occ] > 0).any()):
+                    raise HierMemError("cannot clear a store with pinned rows (a prefetch is in flight)")
+            for tier in (self._dev, self._host):
+                self._keys.remove_slots(tier.g(tier.occupied()))
+                tier.clear()
+            self._epoch += 1
+            self._memo = self._multi_memo = None
+            self._disk.clear_rows(meta=self._meta())
 
     @property
     def closed(self) -> bool:

@@ -174,17 +174,6 @@ class BatchedOps:
             ut, uk = ts.index_select(0, starts), ks.index_select(0, starts)
         return Batch(ut, uk, inverse, counts, lastpos, n, perm, starts)
 
-    def _locate(self, b):
-        """Placement of resident rows without moving anything (None if one is not resident)."""
-        g = self._keys.find(b.t, b.k)  # CPU: no device sync
-        if bool((g < 0).any()):
-            return None
-        D = self._dev.capacity
-        on_dev = g < D
-        if bool(on_dev.all()):
-            return Placement(None, g)
-        return Placement(on_dev, torch.where(on_dev, g, g - D))
-
     def _src(self, tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefetch's inputs as the store's int64 tensors (no copy on the CPU)."""
         return to_host(tables, "ids").to(torch.int64), to_host(ids, "ids").to(torch.int64)
@@ -268,7 +257,7 @@ class BatchedOps:
         return self._disk.read_ahead(groups, token, keep=keep)
 
     def _pin(self, p, delta: int) -> None:
-        for tier, _, _, slots in self._parts(p):  # the CPU slots: pins are control-plane state
+        for tier, _, _, slots in self._res.parts(p):  # the CPU slots: pins are control-plane state
             tier.pin(slots, delta)
 
     def prefetch(self, tables: torch.Tensor, ids: torch.Tensor) -> Ticket:
@@ -369,7 +358,7 @@ class BatchedOps:
                 return self._place(b, account=account, record=ticket is None, extra=extra)
         # pinned rows are resident (admission places a pinned batch on the device whole,
         # and pinned rows are never victims): locate them, nothing moves
-        p = self._locate(b)
+        p = self._res.locate(b)
         assert p is not None, "a pinned row is not resident"
         n_dev = b.counts if p.on_device is None else b.counts[p.on_device]
         self.counters.add_io(IO.PREFETCH_HITS, int(n_dev.sum()))
@@ -489,7 +478,7 @@ class BatchedOps:
                 p = self._place_batch(b, ticket, extra)
             self._staged_path.staged(b, p, extra)  # the plan's, the placement's and the step's arrays: one copy
             self._multi_memo = _BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
-                                        per_sample_weights, b, p, self._epoch, ticket, bag, scale, offsets.numel())
+                                        per_sample_weights, b, p, self._res.epoch, ticket, bag, scale, offsets.numel())
             return self.plane.pool(self, p, b.inverse, offsets, n, D, mode,
                                    None if per_sample_weights is None else scale)
 
@@ -514,9 +503,9 @@ class BatchedOps:
             m = self._multi_memo
             if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights):
                 b, bag, scale, nbags = m.b, m.bag, m.scale, m.nbags
-                p = m.p if m.placement_valid(self._epoch, ticket) else None
+                p = m.p if m.placement_valid(self._res.epoch, ticket) else None
                 if p is None and ticket is not None and ticket.pinned and not ticket.released:
-                    p = self._locate(b)  # its rows are pinned where they are
+                    p = self._res.locate(b)  # its rows are pinned where they are
                 t = k = None
             else:
                 t, k = self._multi_ids(tables, ids)
@@ -532,7 +521,7 @@ class BatchedOps:
                 return
             if b is None:
                 b = self._batch_multi(t, k)
-                p = self._locate(b) if ticket is not None and ticket.pinned else None
+                p = self._res.locate(b) if ticket is not None and ticket.pinned else None
             # each distinct row's gradient: the sum over its ids of their bag's gradient
             # (times the id's scale), formed by the data plane
             self._update_multi(b, p, grad.detach().to(self.device), bag, scale, stepped)

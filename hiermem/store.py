@@ -29,25 +29,22 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidTypeError,
+from .errors import (HierMemError, InvalidArgumentError, InvalidTypeError,
                      LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError)
 from .eviction import resolve_policy
 from .rows import initial_records
 from .overlap import resolve_write_behind
-from .core import plan as _plan
-from .core.index import make_index
 from .optim import Optimizer, optimizer_from_dict
 from .dataplane import DataPlane, default_plane, plane_named
-from .dataplane.staging import to_host
 from .batches import Batch, Placement, dedup
 from .batched import BatchedOps
-from .staged import StagedPath
+from .residency import Residency
 from . import locks, validate
 from .checkpoint import Checkpoints, restore as restore_checkpoint
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
-from .tiers import DiskTier, HostTier, SlotTier
+from .tiers import DiskTier, SlotTier
 from .tiers.disk import decode_keys
-from .tiers.slots import Rows, by_table, by_tier
+from .tiers.slots import Rows
 from .types import StoreConfig, TableSpec, Tier
 
 from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS  # noqa: E402
@@ -107,22 +104,19 @@ class HierarchicalStore(BatchedOps):
         except BaseException:
             self._release_path(unlink=self._made_lock)
             raise
-        cuda = torch.cuda.is_available()
-        self._keys = make_index(config.device_rows + config.host_rows, [s.num_rows for s in tables])
-        self._dev = SlotTier(Tier.DEVICE, config.device_rows, self.width, self.device, self.policy, base=0)
-        self._host = HostTier(config.host_rows, self.widths, [s.num_rows for s in tables], self.policy,
-                              base=config.device_rows, pin_memory=cuda)
-        self._ws = _plan.workspace(1024)
-        self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.counters = Counters(len(tables))
-        # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
-        # in one copy, rows moved on a side stream, evictions landing in the host tier lazily
-        self._staged_path = StagedPath(self.device, self._dev, self._host, self.width, self.counters, self._steps)
+        # where every row is, and moving rows there (the control plane's kernels, the
+        # disk tier's I/O and the data plane's copies)
+        self._res = Residency(self.tables, self.widths, config, self.device, self.policy, self._disk, self.counters,
+                              self._steps, self._initial_records, self._meta)
+        self._keys, self._dev, self._host = self._res.keys, self._res.dev, self._res.host
+        self._staged_path = self._res.staged
         self._stager = self._staged_path.stager  # (its copy count, for tests)
+        self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
+        self._dims_np.flags.writeable = False
         self.plane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._base_table, self._base_io = self._saved_counters(meta_counters)
         self._clock = 0
-        self._epoch = 0  # bumped whenever any row changes tier
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
         self._recorder = None  # a hiermem.sim.trace.TraceRecorder while recording
         self._setup_batched()
@@ -307,211 +301,21 @@ class HierarchicalStore(BatchedOps):
         k, inverse, counts, lastpos, perm, starts = dedup(ids)
         return Batch(torch.full_like(k, ti), k, inverse, counts, lastpos, ids.numel(), perm, starts)
 
-    # -- residency ----------------------------------------------------------------
-    def _read(self, t: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Records of non-resident rows (cpu): from LMDB if written, else initial."""
-        kn = k.numpy()
-        rec = np.zeros((kn.size, self.width), dtype=np.float32)
-        found = np.zeros(kn.size, dtype=np.bool_)
-        nbytes = 0
-        for ti, m in by_table(t.numpy()):
-            w = self.widths[ti]
-            f, r = self._disk.read(ti, kn[m], w)
-            if f.all():
-                rec[m, :w], found[m] = r, True
-                nbytes += m.size * w * 4
-                continue
-            fm = m[f]
-            rec[fm, :w], found[fm] = r[f], True
-            nbytes += fm.size * w * 4
-            new = m[~f]
-            rec[new, :w] = self._initial_records(ti, torch.from_numpy(kn[new])).numpy()
-        self.counters.add_io(IO.BYTES_DISK_TO_HOST, nbytes)
-        return torch.from_numpy(rec), torch.from_numpy(found)
-
     def _initial_records(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
         """Records ``[n, widths[ti]]`` of rows of table ``ti`` never written (a hook: a shard
         store derives them from its logical table, see :mod:`hiermem.sharding`)."""
         return initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, ids)
 
-    def _write_down(self, rows: Rows, meta: bool = True, sync: bool = False) -> int:
-        """Write rows (cpu) to LMDB in one transaction (with the metadata)."""
-        k, rec = rows.k.numpy(), rows.rec.numpy()
-        groups = [(ti, k[m], rec[m, :self.widths[ti]]) for ti, m in by_table(rows.t.numpy())]
-        if sync:
-            nbytes = self._disk.write(groups, meta=self._meta() if meta else None, sync=True)
-        else:  # an eviction write-back: queued for the writer thread with write_behind
-            nbytes = self._disk.enqueue(groups, meta=self._meta() if meta else None)
-        self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)
-        return nbytes
-
-    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool, extra: dict | None = None) -> Placement:
-        """Make every row of ``b`` resident (device first, host when the device is full).
-
-        The control plane decides (:func:`hiermem.core.plan.decide`), then the I/O that may
-        fail runs (LMDB read of the rows from disk, write-back of dirty victims), so an
-        error leaves the store as it was; then the plan is committed and the data plane
-        copies the records it names.  ``extra``: the step's own control arrays (see
-        :meth:`~hiermem.staged.StagedPath.extras`), staged to the device in the same copy as the plan's.
-        """
-        bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
-        U = bk.size
-        if self._ws[0].shape[1] < 2 * U:
-            self._ws = _plan.workspace(U)
-        ws, res = self._ws
-        ix, dev, host = self._keys.arrays, self._dev, self._host
-        _plan.decide(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
-        if res[_plan.STATUS] == _plan.CAPACITY:
-            raise CapacityError(f"batch needs {U} rows resident at once; device ({dev.capacity}) and host "
-                                f"({host.capacity}) tiers cannot hold them with their pinned rows")
-        M = int(res[_plan.M])
-        nd = int(res[_plan.N_DISK])
-        rec_disk = None
-        try:
-            if nd:
-                pos = torch.from_numpy(ws[_plan.DISK, :nd].copy())
-                rec_disk, found = self._read(b.t.cpu().index_select(0, pos), b.k.cpu().index_select(0, pos))
-                ws[_plan.FOUND, :nd] = found.numpy()
-            nw = int(res[_plan.N_WB])
-            if nw:
-                self._write_back(ws[_plan.WB, :nw])
-        except BaseException:
-            _plan.abort(dev.policy.state, host.policy.state)
-            raise
-        clock_np = clock.cpu().numpy()
-        counts_np = b.counts.cpu().numpy()
-        _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock_np, counts_np,
-                     account, ws, res, self.counters.table.numpy())
-        if M == 0:
-            p = Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()))
-            if self._staging:
-                p.dev = self._staged_path.stage(b, p, extra)
-            return p
-        self._epoch += 1
-        self._memo = None
-        slot = torch.from_numpy(ws[_plan.SLOT, :U].copy())
-        ondev = torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
-        was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
-        p = Placement(None if bool(ondev.all()) else ondev, slot, was_dev)
-        if self._staging:
-            self._staged_path.move(ws, res, rec_disk, p, b, extra)
-        else:
-            self._copy_plan(ws, res, rec_disk)
-        return p
-
-    def _write_back(self, wb: np.ndarray) -> None:
-        """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused.
-
-        On CUDA, reading the device victims is an inherent sync: the CPU writes LMDB."""
-        parts = []
-        for tier, slots in by_tier(wb, self._dev, self._host):
-            if slots.size:
-                s = torch.from_numpy(slots)
-                if tier is self._host:
-                    self._staged_path.settle_host()
-                    rec = tier.read(s, self.width)
-                else:
-                    rec = to_host(tier.data.index_select(0, s.to(tier.device, non_blocking=True)), "evict_to_disk")
-                parts.append((tier.keys_t.index_select(0, s), tier.keys_k.index_select(0, s), rec))
-        t, k, rec = (torch.cat([p[i] for p in parts]) for i in range(3))
-        self._write_down(Rows(t, k, rec, torch.ones(t.numel(), dtype=torch.bool)))
-
-    def _copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
-        """The data plane of a committed plan on a CPU store: the device victims' records
-        gathered, the host records coming up copied into their device slots in one pass
-        (:meth:`~hiermem.dataplane.DataPlane.rows_up`), the victims written to the host,
-        then disk records into place (:meth:`~hiermem.staged.StagedPath.move` is the staged form, CUDA's).  Host slots emptied
-        by the plan give back their records and those filled get one of their row's width
-        (:class:`~hiermem.tiers.HostTier`) before anything is written."""
-        dev, host, dd = self._dev, self._host, self.device
-        nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
-        down = None
-        if nd:  # the device victims first: the rows coming up take their slots
-            down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
-        if nu:  # host -> device in one pass, before any host record is given back or rewritten
-            up_src = ws[_plan.UP_SRC, :nu].copy()
-            self.plane.rows_up(dev.data, host, up_src, ws[_plan.UP_DST, :nu].copy())
-            host.release(up_src)
-        if res[_plan.N_VH]:  # host victims gone to disk (their slots, unless refilled, give back their records)
-            host.release(ws[_plan.VH, :int(res[_plan.N_VH])])
-        if nd:
-            dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
-            host.assign(dn_dst)
-            host.write(dn_dst, down)
-        self.counters.add_moves(nu + int(res[_plan.NB]), nd, self.width)
-        if rec_disk is None:
-            return
-        n, nb = rec_disk.shape[0], int(res[_plan.NB])
-        dst = torch.from_numpy(ws[_plan.NEW_DST, :n].copy())
-        if nb:
-            dev.data.index_copy_(0, dst[:nb].to(dd), rec_disk[:nb].to(dd))
-        if n > nb:
-            hs = dst[nb:] - host.base
-            host.assign(hs)
-            host.write(hs, rec_disk[nb:])
-
     def _place(self, b: Batch, account: bool, record: bool = True, extra: dict | None = None) -> Placement:
         if not account:
-            return self._resolve(b, torch.full_like(b.k, self._clock), False, extra)
+            return self._res.resolve(b, torch.full_like(b.k, self._clock), False, extra)
         if self._soon is not None:  # a lookahead policy learns which resident rows come back soon
             self._mark_soon()
-        p = self._resolve(b, b.lastpos + self._clock, True, extra)
+        p = self._res.resolve(b, b.lastpos + self._clock, True, extra)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
         if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
             self._recorder.record(b)
         return p
-
-    def _gather(self, p: Placement, cols: int) -> torch.Tensor:
-        """Records ``[U, cols]`` on the device of a placement's rows."""
-        dev, d = self._dev, p.dev
-        if p.on_device is None:
-            src = dev.data if cols == dev.width else dev.data[:, :cols]
-            return src.index_select(0, p.slot if d is None else d.slot)
-        out = torch.empty((p.slot.numel(), cols), dtype=torch.float32, device=self.device)
-        self._staged_path.settle_host()
-        if d is None:
-            di, hi = p.on_device.nonzero().squeeze(1), (~p.on_device).nonzero().squeeze(1)
-            out[di] = dev.data[:, :cols].index_select(0, p.slot[di])
-            out[hi] = self._host.read(p.slot[hi], cols).to(self.device)
-            return out
-        # the host rows: gathered on the CPU into pinned memory, one copy up
-        rows = self._staged_path.rows_ring.take(d.host_slot.numel() * cols).view(-1, cols)
-        self._host.read(d.host_slot, cols, out=rows)
-        out.index_copy_(0, d.dev_idx, dev.data[:, :cols].index_select(0, d.dev_slot))
-        out.index_copy_(0, d.host_idx, rows.to(self.device, non_blocking=True))
-        self._staged_path.rows_ring.done(rows)
-        return out
-
-    def _parts(self, p: Placement):
-        """``(tier, slots, idx, cpu_slots)`` per tier holding rows of ``p``: ``slots`` on the
-        tier's device, ``idx`` the rows of the batch in that tier, on the store's device
-        (None: all of them, on the device), ``cpu_slots`` the slots on the CPU."""
-        d = p.dev
-        if p.on_device is None:
-            return [(self._dev, p.slot if d is None else d.slot, None, p.slot)]
-        out = []
-        if d is not None:
-            if d.dev_idx.numel():
-                out.append((self._dev, d.dev_slot, d.dev_idx, d.dev_slot_cpu))
-            if d.host_idx.numel():
-                self._staged_path.settle_host()
-                out.append((self._host, d.host_slot, d.host_idx, d.host_slot))
-            return out
-        for tier, mask in ((self._dev, p.on_device), (self._host, ~p.on_device)):
-            idx = mask.nonzero().squeeze(1)
-            if idx.numel():
-                if tier is self._host:
-                    self._staged_path.settle_host()
-                cs = p.slot.index_select(0, idx)
-                out.append((tier, cs.to(tier.device), idx.to(self.device), cs))
-        return out
-
-    def _scatter(self, p: Placement, rec: torch.Tensor) -> None:
-        """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
-        for tier, slots, idx, cslots in self._parts(p):
-            r = rec if idx is None else rec.index_select(0, idx.to(rec.device))
-            tier.write(slots, r.to(tier.device))
-            tier.dirty[cslots] = True
 
     # -- public API -----------------------------------------------------------------
     @timed("lookup_seconds")
@@ -545,21 +349,21 @@ class HierarchicalStore(BatchedOps):
         if p.on_device is None:
             src = self._dev.data if dim == self._dev.width else self._dev.data[:, :dim]
             return src.index_select(0, p.slot.index_select(0, b.inverse) if d is None else d.ids_slot)
-        return self._gather(p, dim).index_select(0, b.inverse if d is None else d.inverse)
+        return self._res.gather(p, dim).index_select(0, b.inverse if d is None else d.inverse)
 
     def _memo_of(self, ids_in, ids: torch.Tensor, b: Batch, p: Placement, ti: int) -> tuple:
         """A lookup's memo for the update that follows it: keyed by the caller's tensor
         (ids of a CUDA caller were copied to the CPU; a numpy array, converted, keys nothing
         an update could pass again)."""
         key = ids_in if isinstance(ids_in, torch.Tensor) else ids
-        return key, key._version, b, p, self._epoch, ti
+        return key, key._version, b, p, self._res.epoch, ti
 
     def _memo_for(self, ti: int, ids) -> tuple[Batch, Placement] | None:
         """The last lookup's batch and placement, if ``ids`` is that lookup's unchanged
         tensor of the same table and no row has changed tier since."""
         m = self._memo
         if (m is not None and m[0] is ids and isinstance(ids, torch.Tensor) and m[1] == ids._version
-                and m[4] == self._epoch and m[5] == ti):
+                and m[4] == self._res.epoch and m[5] == ti):
             return m[2], m[3]
         return None
 
@@ -639,13 +443,29 @@ class HierarchicalStore(BatchedOps):
             self._steps[self.table_index(table)] = step
 
     @property
+    def residency(self) -> Residency:
+        """The placement engine: index, slot tiers, plans (:class:`~hiermem.residency.Residency`).
+        The data plane reads placed rows through it; use it under :attr:`lock`."""
+        return self._res
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The optimizer step count of each table (in table order)."""
+        return tuple(self._steps)
+
+    @property
+    def dims(self) -> np.ndarray:
+        """Each table's embedding dim (int64, read-only)."""
+        return self._dims_np
+
+    @property
     def plane(self) -> DataPlane:
         """The data plane object executing pooling and the fused optimizer."""
         return self._plane
 
     @plane.setter
     def plane(self, plane: DataPlane) -> None:
-        self._plane = plane
+        self._plane = self._res.plane = plane
         self._staged_path.active = self._staging
 
     @property
@@ -716,7 +536,7 @@ class HierarchicalStore(BatchedOps):
             order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel()))
             order = order.to(self.device)
             g, st = grads.index_select(0, order), row_stat.index_select(0, order)  # in b.k order
-            for tier, slots, idx, cslots in self._parts(p):
+            for tier, slots, idx, cslots in self._res.parts(p):
                 gi = g if idx is None else g.index_select(0, idx).to(tier.device)
                 si = st if idx is None else st.index_select(0, idx).to(tier.device)
                 w, step = self.widths[ti], self._steps[ti]
@@ -744,7 +564,7 @@ class HierarchicalStore(BatchedOps):
             dim, w = self.tables[ti].dim, self.widths[ti]
             rec = torch.full((b.k.numel(), w), self.optimizer.state_init(), dtype=torch.float32)
             rec[:, :dim] = values.cpu().index_select(0, b.lastpos)
-            self._scatter(p, rec)
+            self._res.scatter(p, rec)
 
     def flush(self) -> None:
         """Write every dirty row to LMDB in one transaction and sync it to disk."""
@@ -761,7 +581,7 @@ class HierarchicalStore(BatchedOps):
             allrows = Rows(*(torch.cat([getattr(r, f) for r in rows]) for f in ("t", "k", "rec", "dirty")))
             self._flush_seq += 1  # the number read-only handles report (recorded with the rows)
             try:
-                self._write_down(allrows, meta=True, sync=True)
+                self._res.write_down(allrows, meta=True, sync=True)
             except BaseException:
                 self._flush_seq -= 1
                 raise
@@ -977,7 +797,7 @@ class HierarchicalStore(BatchedOps):
             ri = res.nonzero().squeeze(1)
             if ri.numel():
                 sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
-                self._scatter(self._locate(sub), rec.index_select(0, ri))
+                self._res.scatter(self._res.locate(sub), rec.index_select(0, ri))
 
     def clear(self) -> None:
         """Forget every row: all tables return to their initial values (LMDB emptied)."""
@@ -990,7 +810,7 @@ class HierarchicalStore(BatchedOps):
             for tier in (self._dev, self._host):
                 self._keys.remove_slots(tier.g(tier.occupied()))
                 tier.clear()
-            self._epoch += 1
+            self._res.epoch += 1
             self._memo = self._multi_memo = None
             self._disk.clear_rows(meta=self._meta())
 

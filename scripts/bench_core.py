@@ -152,7 +152,7 @@ def bench_swap(tmp: Path, policy: str, reps: int, quick: bool) -> dict:
             hs, ds = _fresh(g, H, n), _fresh(g, D, n)
             floor = min(floor, _copy_floor(dev, host, hs, ds, host, dev, ds, hs))
             t0 = time.perf_counter()
-            p = s._resolve(b, clock, True)
+            p = s._res.resolve(b, clock, True)
             sec = min(sec, time.perf_counter() - t0)
             s._clock += n
             assert p.on_device is None  # all came up
@@ -171,8 +171,8 @@ def bench_disk_miss(tmp: Path, policy: str, reps: int, quick: bool) -> dict:
         _fill(s, D + H)
         s._host.dirty[:] = True  # every host victim is written down
         rec = torch.zeros((n, WIDTH))
-        s._read = lambda t, k: (rec[:k.numel()], torch.zeros(k.numel(), dtype=torch.bool))  # LMDB excluded
-        s._write_down = lambda rows, meta=True, sync=False: 0
+        s._res.read = lambda t, k: (rec[:k.numel()], torch.zeros(k.numel(), dtype=torch.bool))  # LMDB excluded
+        s._res.write_down = lambda rows, meta=True, sync=False: 0
         nxt = D + H
         g = torch.Generator().manual_seed(3)
         dev, host = s._dev.data.clone(), s._host.data.clone()  # the floor's own tiers (pages touched)
@@ -187,12 +187,12 @@ def bench_disk_miss(tmp: Path, policy: str, reps: int, quick: bool) -> dict:
             fl = time.perf_counter() - t0
             floor = min(floor, fl + _copy_floor(dev, rec, all_rec, ds, host, dev, ds, hs))
             t0 = time.perf_counter()
-            s._resolve(b, b.lastpos + s._clock, True)
+            s._res.resolve(b, b.lastpos + s._clock, True)
             sec = min(sec, time.perf_counter() - t0)
             s._clock += n
             s._host.dirty[:] = True
     finally:
-        del s._read, s._write_down
+        del s._res.read, s._res.write_down
         s.close()
     return {f"disk_miss_plan_{policy}_ns_per_row": sec / n * 1e9,
             f"disk_miss_plan_{policy}_floor_ns_per_row": floor / n * 1e9, f"disk_miss_plan_{policy}_ratio": sec / floor}

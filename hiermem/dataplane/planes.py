@@ -118,7 +118,7 @@ class TorchPlane(DataPlane):
     name = "torch"
 
     def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
-        dev, d = store._dev, p.dev
+        dev, d = store.device_tier, p.dev
         if d is not None:  # staged (CUDA): the device copies of the control arrays
             inverse, offsets = d.inverse, d.offsets
         if p.on_device is None:
@@ -128,7 +128,7 @@ class TorchPlane(DataPlane):
                 # tier): gather the batch's distinct rows, then pool from them
                 src, idx = dev.data.index_select(0, p.slot if d is None else d.slot)[:, :cols], inverse
         else:
-            src, idx = store._gather(p, cols), inverse
+            src, idx = store.residency.gather(p, cols), inverse
         return F.embedding_bag(idx, src, offsets, mode=mode, per_sample_weights=psw)
 
     def check(self, rg, what):
@@ -148,14 +148,14 @@ class TorchPlane(DataPlane):
         # one optimizer call per group of tables with the same dim, width and step count
         groups: dict[tuple, list[int]] = defaultdict(list)
         for ti in present:
-            groups[(store.tables[ti].dim, store.widths[ti], store._steps[ti])].append(ti)
+            groups[(store.tables[ti].dim, store.widths[ti], store.steps[ti])].append(ti)
         t = b.t.numpy()
         for (dim, width, step), tis in groups.items():
             rows = None if len(tis) == len(present) else _rows_of(t, tis)
-            for tier, slots, idx, cslots in store._parts(p):
+            for tier, slots, idx, cslots in store.residency.parts(p):
                 gi = g if idx is None else g.index_select(0, idx)
                 if rows is not None:
-                    part = None if idx is None else np.flatnonzero(p.on_device.numpy() == (tier is store._dev))
+                    part = None if idx is None else np.flatnonzero(p.on_device.numpy() == (tier is store.device_tier))
                     sel = _select(rows, part, g.device)
                     if sel is None:
                         continue
@@ -270,7 +270,7 @@ class CompiledPlane(DataPlane):
     def _gslots(store, p) -> np.ndarray:
         if p.on_device is None:
             return _np(p.slot, _NO_I64)
-        return _np(torch.where(p.on_device, p.slot, p.slot + store._dev.capacity), _NO_I64)
+        return _np(torch.where(p.on_device, p.slot, p.slot + store.device_tier.capacity), _NO_I64)
 
     def rows_up(self, dev, host, src, dst):
         """One pass, no intermediate (:func:`~hiermem.dataplane.kernels.rows_up`)."""
@@ -287,7 +287,7 @@ class CompiledPlane(DataPlane):
         if store.device.type != "cpu":
             return self._torch.pool(store, p, inverse, offsets, n, cols, mode, psw)
         out = torch.empty((offsets.numel(), cols), dtype=torch.float32)
-        dev, host = store._dev, store._host
+        dev, host = store.device_tier, store.host_tier
         _threads(n * cols)
         K.pool(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, self._gslots(store, p), _np(inverse, _NO_I64),
                _np(offsets, _NO_I64), n, _np(psw, _NO_F32), mode == "mean", out.numpy())
@@ -316,9 +316,9 @@ class CompiledPlane(DataPlane):
         if rg.summed is not None or fused is None or store.device.type != "cpu":
             return self._torch.apply(store, rg, p, present)
         kernel, params = fused
-        hp, coef = params(store.optimizer, store._steps)
-        b, dev, host = rg.b, store._dev, store._host
-        dims, starts = store._dims_np, _np(b.starts, _NO_I64)
+        hp, coef = params(store.optimizer, store.steps)
+        b, dev, host = rg.b, store.device_tier, store.host_tier
+        dims, starts = store.dims, _np(b.starts, _NO_I64)
         nt = _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
         kernel(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, dev.state[2], host.state[2],
                self._gslots(store, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts,

@@ -48,3 +48,44 @@ def take(directory: Path, name: str, exclusive: bool, busy: str) -> int:
         os.close(fd)
         raise HierMemError(f"{directory}: {busy}") from None
     return fd
+
+
+def claim_store(path: Path) -> tuple[int, bool]:
+    """Claim the store directory ``path`` for writing in this process: created if need
+    be (mode 0700), its store lock taken (or handed over by a restore).  Returns the lock's
+    descriptor and whether the lock file was made now.
+
+    Raises:
+        HierMemError: the store is open here or in another process, or has a read-only
+            handle in this process.
+        StoreFormatError: ``path`` is a file.
+    """
+    key = os.path.realpath(path)
+    with OPEN_LOCK:
+        if key in OPEN:
+            raise HierMemError(f"{path}: store is already open in this process")
+        if key in READERS:
+            raise HierMemError(f"{path}: store has a read-only handle in this process; close it first")
+        if path.exists() and not path.is_dir():
+            raise StoreFormatError(path, "not a hiermem store (a file, expected a store directory)")
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = not (path / STORE_LOCK).exists()
+        fd = HANDOFF.pop(key, None)  # locked by restore() for this open
+        if fd is None:
+            fd = take(path, STORE_LOCK, True, "store is open in another process")
+        try:  # private even if loosened since, as DiskTier makes LMDB's files
+            os.fchmod(fd, 0o600)
+        except PermissionError:  # another owner's file: leave it
+            pass
+        OPEN.add(key)
+        return fd, made
+
+
+def release_store(path: Path, fd: int, unlink: bool = False) -> None:
+    """Give up the claim of :func:`claim_store`; ``unlink``: remove the lock file made by
+    it (a refused foreign directory is left as it was)."""
+    with OPEN_LOCK:
+        OPEN.discard(os.path.realpath(path))
+        if unlink:
+            (path / STORE_LOCK).unlink(missing_ok=True)
+        os.close(fd)

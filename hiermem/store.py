@@ -22,35 +22,36 @@ from __future__ import annotations
 import os
 import threading
 from types import SimpleNamespace
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from .errors import (HierMemError, InvalidArgumentError, InvalidTypeError,
-                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError, StoreFormatError)
+from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidTypeError,
+                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError)
 from .eviction import resolve_policy
 from .rows import initial_records
 from .overlap import resolve_write_behind
-from .optim import Optimizer, optimizer_from_dict
+from .optim import Optimizer
 from .dataplane import DataPlane, default_plane, plane_named
+from .dataplane.batch import tables_present
 from .batches import Batch, Placement, dedup
-from .batched import BatchedOps
+from .batched import MultiIds, Prefetches, Ticket, BagMemo, bags_of, offsets_of, ticket_batch
 from .residency import Residency
 from . import locks, validate
 from .checkpoint import Checkpoints, restore as restore_checkpoint
+from .storemeta import OVERRIDABLE, saved_config, saved_counters
 from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
 from .tiers.disk import decode_keys
-from .tiers.slots import Rows
+from .tiers.slots import Rows, by_table
 from .types import StoreConfig, TableSpec, Tier
 
-from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS  # noqa: E402
+from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK  # noqa: E402
 
 
-class HierarchicalStore(BatchedOps):
+class HierarchicalStore:
     """Embedding tables over device, host and disk tiers.
 
     Args:
@@ -86,7 +87,7 @@ class HierarchicalStore(BatchedOps):
         self._lock = threading.RLock()
         self._closed = True
         self.path = Path(config.path).absolute()
-        self._claim_path()
+        self._lockfd, self._made_lock = locks.claim_store(self.path)
         try:
             self.write_behind, self.write_behind_reason = resolve_write_behind(config.write_behind, self.device)
             self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
@@ -102,7 +103,7 @@ class HierarchicalStore(BatchedOps):
                 self._disk.close()
                 raise
         except BaseException:
-            self._release_path(unlink=self._made_lock)
+            locks.release_store(self.path, self._lockfd, unlink=self._made_lock)
             raise
         self.counters = Counters(len(tables))
         # where every row is, and moving rows there (the control plane's kernels, the
@@ -115,11 +116,14 @@ class HierarchicalStore(BatchedOps):
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self._dims_np.flags.writeable = False
         self.plane = default_plane(self.device)  # executes pooling and the fused optimizer
-        self._base_table, self._base_io = self._saved_counters(meta_counters)
+        self._base_table, self._base_io = saved_counters(meta_counters, self.counters)
         self._clock = 0
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
         self._recorder = None  # a hiermem.sim.trace.TraceRecorder while recording
-        self._setup_batched()
+        self.max_dim = max(s.dim for s in tables)
+        self._multi = MultiIds(self.tables, self.device)  # validation and dedup of multi-table batches
+        self._multi_memo: BagMemo | None = None  # last lookup_bags, reused by update_bags
+        self._prefetches = Prefetches(self._res, self.counters)  # prefetch tickets, pins, lookahead
         self._closed = False
         if config.trace_path is not None:
             self.record(config.trace_path)
@@ -148,46 +152,14 @@ class HierarchicalStore(BatchedOps):
             from .readonly import ReadOnlyStore
 
             return ReadOnlyStore(path, **overrides)
-        bad = set(overrides) - {"device", "device_rows", "host_rows", "policy", "prefetch_depth", "map_size",
-                                "sync_writebacks", "write_behind", "io_process", "writemap", "trace_path"}
+        bad = set(overrides) - OVERRIDABLE
         if bad:
             raise InvalidArgumentError(f"cannot override {sorted(bad)} when reopening a store")
         with _OPEN_LOCK:  # before touching LMDB, which refuses a second handle itself
             if os.path.realpath(path) in _OPEN:
                 raise HierMemError(f"{path}: store is already open in this process")
-        cfg = cls._saved_config(path, overrides)
+        cfg = saved_config(path, overrides)
         return cls(cfg[0], cfg[1])
-
-    @staticmethod
-    def _saved_config(path, overrides: dict) -> tuple[list[TableSpec], StoreConfig]:
-        """The tables and config saved in the store at ``path``, with ``overrides``."""
-        disk = DiskTier(path, create=False)
-        try:
-            meta = disk.read_meta()
-        finally:
-            disk.close()
-        if meta is None:
-            raise StoreFormatError(path, "an empty LMDB environment, not a hiermem store")
-        overrides, explicit = dict(overrides), set(overrides)
-        policy = overrides.pop("policy", meta.get("policy"))
-        sizes = {k: overrides.pop(k, meta.get(k)) for k in ("device_rows", "host_rows", "prefetch_depth")}
-        if "policy" in explicit:  # a policy file given now: its sizes over the saved ones
-            from .eviction import policy_settings
-
-            for k in policy_settings(policy):
-                if k not in explicit:
-                    sizes[k] = None
-        try:
-            tables = [TableSpec.from_dict(d) for d in meta["tables"]]
-            cfg = StoreConfig(path=path, device=meta["device"], policy=policy, seed=meta["seed"],
-                              optimizer=optimizer_from_dict(meta["optimizer"]), **sizes)
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, HierMemError) and not isinstance(e, (InvalidArgumentError, InvalidTypeError)):
-                raise
-            raise StoreFormatError(path, f"corrupt store metadata: {e}") from e
-        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-            cfg = replace(cfg, device="cpu")
-        return tables, replace(cfg, **overrides)
 
     def _layout(self) -> dict:
         return {"tables": [s.to_dict() for s in self.tables], "optimizer": self.optimizer.to_dict(),
@@ -204,19 +176,6 @@ class HierarchicalStore(BatchedOps):
             table, io = self.cumulative_counters()
             meta["counters"] = {"table": table.tolist(), "io": {k.name.lower(): int(io[k]) for k in IO}}
         return meta
-
-    def _saved_counters(self, saved: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cumulative counters of earlier sessions (saved with the metadata), or zeros."""
-        table, io = torch.zeros_like(self.counters.table), torch.zeros_like(self.counters.io)
-        try:
-            t = torch.tensor(saved["table"], dtype=torch.int64)
-            if t.shape == table.shape:
-                table = t
-            for k in IO:
-                io[k] = int(saved["io"].get(k.name.lower(), 0))
-        except (TypeError, KeyError, ValueError, AttributeError):
-            pass  # none saved (a store from before counters were saved) or unreadable: from zero
-        return table, io
 
     def count_from_creation(self) -> None:
         """Make this session's counters (``stats()``, Prometheus) start from the lifetime
@@ -243,34 +202,6 @@ class HierarchicalStore(BatchedOps):
             raise LayoutMismatchError(self.path, f"store was created with a different {', '.join(diff)}: "
                                       f"on disk {[have[k] for k in diff]}, asked {[want[k] for k in diff]}")
         return [int(meta.get("steps", {}).get(s.name, 0)) for s in self.tables]
-
-    def _claim_path(self) -> None:
-        key = os.path.realpath(self.path)
-        with _OPEN_LOCK:
-            if key in _OPEN:
-                raise HierMemError(f"{self.path}: store is already open in this process")
-            if key in _READERS:
-                raise HierMemError(f"{self.path}: store has a read-only handle in this process; close it first")
-            if self.path.exists() and not self.path.is_dir():
-                raise StoreFormatError(self.path, "not a hiermem store (a file, expected a store directory)")
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._made_lock = not (self.path / locks.STORE_LOCK).exists()
-            fd = _HANDOFF.pop(key, None)  # locked by restore() for this open
-            if fd is None:
-                fd = locks.take(self.path, locks.STORE_LOCK, True, "store is open in another process")
-            try:  # private even if loosened since, as DiskTier makes LMDB's files
-                os.fchmod(fd, 0o600)
-            except PermissionError:  # another owner's file: leave it
-                pass
-            self._lockfd = fd
-            _OPEN.add(key)
-
-    def _release_path(self, unlink: bool = False) -> None:
-        with _OPEN_LOCK:
-            _OPEN.discard(os.path.realpath(self.path))
-            if unlink:  # refused a foreign directory: leave it as it was
-                (self.path / locks.STORE_LOCK).unlink(missing_ok=True)
-            os.close(self._lockfd)
 
     # -- validation ---------------------------------------------------------------
     def _check_open(self) -> None:
@@ -309,8 +240,8 @@ class HierarchicalStore(BatchedOps):
     def _place(self, b: Batch, account: bool, record: bool = True, extra: dict | None = None) -> Placement:
         if not account:
             return self._res.resolve(b, torch.full_like(b.k, self._clock), False, extra)
-        if self._soon is not None:  # a lookahead policy learns which resident rows come back soon
-            self._mark_soon()
+        if self._prefetches.soon is not None:  # a lookahead policy learns which resident rows come back soon
+            self._prefetches.mark_soon()
         p = self._res.resolve(b, b.lastpos + self._clock, True, extra)
         self._clock += b.n  # only once the batch is placed: a refused batch leaves no trace
         if record and self._recorder is not None:  # trace capture (hiermem.sim.trace)
@@ -402,6 +333,246 @@ class HierarchicalStore(BatchedOps):
         self._steps[ti] += 1
         self.plane.apply(self, rg, p, [ti])
         self._staged_path.defer(rg, [ti], what)
+        self.counters.add_io(IO.UPDATES, 1)
+        self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+
+    # -- lookahead and prefetch (hiermem.batched.Prefetches) ----------------------------
+    @property
+    def wants_lookahead(self) -> bool:
+        """Whether the policy uses future ids (:meth:`set_lookahead`), e.g. ``lookahead``."""
+        return bool(self._dev.policy.wants_lookahead)
+
+    def set_lookahead(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
+        """The rows the next batches will use, for the next accounted placement only.
+
+        A :class:`PrefetchPipeline` calls it before each prefetch (and each plain lookup
+        of a batch whose prefetch was refused) with the ids of the ``window`` batches
+        after it; a policy with ``wants_lookahead`` then evicts other rows first.  A
+        no-op for other policies.
+        """
+        with self._lock:
+            if not self.wants_lookahead:
+                return
+            t, k = self._multi.ids(tables, ids)
+            if k.numel() == 0:
+                self._prefetches.soon = (t, k)
+                return
+            b = self._multi.batch(t, k)
+            self._prefetches.soon = (b.t, b.k)
+
+    def read_ahead(self, tables: torch.Tensor, ids: torch.Tensor, keep: int | None = None) -> int:
+        """Read from LMDB the records of an upcoming batch's rows that are not resident,
+        holding the store's lock only to find them (the read itself runs unlocked, so
+        another thread's lookups and updates go on meanwhile).
+
+        The records wait in the disk tier's cache, which serves the placement of that
+        batch (its :meth:`prefetch`, or its lookup) instead of LMDB; a record written
+        in the meantime is dropped, so the cache never serves a stale value.  Returns
+        the records kept.  Changes nothing observable but speed.  ``keep``: how many
+        read-ahead batches the cache holds (default 4; older ones are dropped unused).
+        """
+        b = self._multi.dedup(tables, ids)  # before the lock: it needs none
+        if b is None:
+            return 0
+        with self._lock:
+            self._check_open()
+            miss = self._keys.find(b.t, b.k) < 0
+            if not bool(miss.any()):
+                return 0
+            mt, mk = b.t[miss].cpu(), b.k[miss].cpu()
+            mk_np = mk.numpy()
+            groups = [(ti, mk_np[m], self.widths[ti]) for ti, m in by_table(mt.numpy())]
+            token = self._disk.begin_read_ahead()
+        return self._disk.read_ahead(groups, token, keep=keep)
+
+    def prefetch(self, tables: torch.Tensor, ids: torch.Tensor) -> Ticket:
+        """Make the rows of an upcoming batch resident (device first) and pin them.
+
+        Residency is accounted here, exactly as the batch's lookup would account it; the
+        lookup given the returned ticket then counts prefetch hits instead.  When the
+        rows cannot all be placed on the device beside the rows pinned there (or not
+        twice beside all pinned rows in both tiers), nothing is pinned
+        (``ticket.pinned`` is False, counted in ``PREFETCH_DEGRADED``, and the batch's
+        lookup places it normally); it never raises for lack of room.
+
+        Args:
+            tables: table index of each id (int, 1-D).
+            ids: the ids (int, 1-D), duplicates allowed.
+        """
+        with self._lock:
+            self._check_open()
+            b = self._multi.dedup(tables, ids)
+            if b is not None and self._recorder is not None:  # traces keep batch order, refused prefetches too
+                self._recorder.record(b)
+            return self._prefetches.prefetch(b, tables, ids, self._place)
+
+    def release(self, ticket: Ticket) -> None:
+        """Unpin the rows of a prefetched batch (idempotent)."""
+        with self._lock:
+            if ticket.released:
+                return
+            ticket.released = True
+            if not self._closed:
+                self._prefetches.release(ticket)
+
+    def revoke_prefetches(self) -> int:
+        """Unpin every outstanding prefetch (their batches are then looked up as if not
+        prefetched, without being accounted twice); returns how many were revoked."""
+        with self._lock:
+            return self._prefetches.revoke()
+
+    # -- pooled and multi-table ops (nn.EmbeddingBag semantics) ----------------------------
+    @timed("lookup_seconds")
+    def lookup_pooled(self, table: str, ids, offsets: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows ``[len(offsets), dim]``, as ``nn.EmbeddingBag(ids, offsets)``.
+
+        Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]`` (the last runs to the end); an
+        empty bag pools to zeros.  Gather and pooling are one fused op when every row
+        is on the device tier.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids_in = ids
+            ids = self._ids(ti, ids)
+            offsets = offsets_of(ids.numel(), offsets)
+            bag, scale = bags_of(ids.numel(), offsets, mode, per_sample_weights, self.device)
+            dim = self.tables[ti].dim
+            if ids.numel() == 0:
+                return torch.zeros((offsets.numel(), dim), dtype=torch.float32, device=self.device)
+            b = self._batch(ti, ids)
+            extra = self._staged_path.extras(b, offsets, bag, scale)
+            p = self._place(b, account=True, extra=extra)
+            self._memo = self._memo_of(ids_in, ids, b, p, ti)
+            return self.plane.pool(self, p, b.inverse, offsets, ids.numel(), dim, mode,
+                                   None if per_sample_weights is None else scale)
+
+    @timed("update_seconds")
+    def update_pooled(self, table: str, ids, offsets: torch.Tensor, grad_output: torch.Tensor, mode: str = "sum",
+                      per_sample_weights: torch.Tensor | None = None) -> None:
+        """The backward of :meth:`lookup_pooled` fused with the optimizer step.
+
+        ``grad_output [len(offsets), dim]`` is the gradient of the pooled rows; each id
+        gets its bag's gradient (scaled by its weight, or ``1/len`` for mean), and then
+        :meth:`update` semantics apply.
+        """
+        with self._lock:
+            self._check_open()
+            ti = self.table_index(table)
+            ids_in = ids
+            # the lookup's unchanged ids were validated by it
+            ids = ids if self._memo_for(ti, ids) is not None else self._ids(ti, ids)
+            offsets = offsets_of(ids.numel(), offsets)
+            bag, scale = bags_of(ids.numel(), offsets, mode, per_sample_weights, self.device)
+            grad_output = self._values(ti, offsets.numel(), grad_output, "grad_output", check_finite=False)
+            self._update(ti, ids_in, ids, grad_output, bag, scale)  # id j: grad_output[bag[j]] * scale[j]
+
+    @timed("lookup_seconds")
+    def lookup_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str = "sum",
+                    per_sample_weights: torch.Tensor | None = None, ticket: Ticket | None = None) -> torch.Tensor:
+        """Pooled rows of bags over several tables: ``[len(offsets), max_dim]``.
+
+        Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]``, all of one table (``tables``
+        gives each id's table index); columns past a table's ``dim`` are meaningless.
+        One gather-and-pool op when every row is on the device tier.
+
+        Args:
+            ticket: the :meth:`prefetch` ticket of this batch, if it was prefetched.
+        """
+        with self._lock:
+            self._check_open()
+            b = ticket_batch(ticket, tables, ids)
+            if b is None:
+                t, k = self._multi.ids(tables, ids)
+            n = k.numel() if b is None else b.n
+            offsets_in = offsets
+            offsets = offsets_of(n, offsets)
+            bag, scale = bags_of(n, offsets, mode, per_sample_weights, self.device)
+            D = self.max_dim
+            if n == 0:
+                return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
+            prefetched = b is not None
+            b = self._multi.batch(t, k) if b is None else b
+            extra = self._staged_path.extras(b, offsets, bag, scale)
+            if prefetched and ticket.pinned and not ticket.released and ticket.slots is not None:
+                # pinned on the device by its prefetch: rows stay put
+                self.counters.add_io(IO.PREFETCH_HITS, n)
+                p = Placement(None, ticket.slots)
+            else:
+                p = self._prefetches.place_batch(b, ticket, extra, self._place)
+            self._staged_path.staged(b, p, extra)  # the plan's, the placement's and the step's arrays: one copy
+            self._multi_memo = BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
+                                        per_sample_weights, b, p, self._res.epoch, ticket, bag, scale, offsets.numel())
+            return self.plane.pool(self, p, b.inverse, offsets, n, D, mode,
+                                   None if per_sample_weights is None else scale)
+
+    @timed("update_seconds")
+    def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
+                    mode: str = "sum", per_sample_weights: torch.Tensor | None = None,
+                    ticket: Ticket | None = None, stepped: list[int] | None = None) -> None:
+        """The backward of :meth:`lookup_bags` fused with the optimizer step.
+
+        ``grad [len(offsets), max_dim]`` is the gradient of the pooled bags (columns past
+        a table's dim are ignored).  Each distinct row takes one optimizer step with the
+        sum of its ids' gradients, in place in its tier; NaN/inf is refused first.  Given
+        the same (unchanged) tensors as the preceding :meth:`lookup_bags`, it reuses that
+        lookup's validation, dedup and placement (the placement even after other batches
+        moved rows, when the batch's prefetch ticket pins all its rows on the device).
+        ``stepped``: table indices that take an optimizer step even without ids in this
+        batch (the collection passes all its tables: Adam's step count then follows
+        ``torch.optim.SparseAdam`` on an ``nn.EmbeddingBag`` that saw an empty batch).
+        """
+        with self._lock:
+            self._check_open()
+            m = self._multi_memo
+            if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights):
+                b, bag, scale, nbags = m.b, m.bag, m.scale, m.nbags
+                p = m.p if m.placement_valid(self._res.epoch, ticket) else None
+                if p is None and ticket is not None and ticket.pinned and not ticket.released:
+                    p = self._res.locate(b)  # its rows are pinned where they are
+                t = k = None
+            else:
+                t, k = self._multi.ids(tables, ids)
+                offsets = offsets_of(k.numel(), offsets)
+                bag, scale = bags_of(k.numel(), offsets, mode, per_sample_weights, self.device)
+                b, p, nbags = None, None, offsets.numel()
+            D = self.max_dim
+            if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or tuple(grad.shape) != (nbags, D):
+                raise InvalidArgumentError(f"grad must be a float tensor of shape {(nbags, D)}")
+            if bag.numel() == 0:
+                for ti in stepped or ():
+                    self._steps[ti] += 1
+                return
+            if b is None:
+                b = self._multi.batch(t, k)
+                p = self._res.locate(b) if ticket is not None and ticket.pinned else None
+            # each distinct row's gradient: the sum over its ids of their bag's gradient
+            # (times the id's scale), formed by the data plane
+            self._update_multi(b, p, grad.detach().to(self.device), bag, scale, stepped)
+
+    def _update_multi(self, b, p, grad: torch.Tensor, bag: torch.Tensor, scale: torch.Tensor | None,
+                      stepped=None) -> None:
+        """Apply the gradients of bags ``grad`` to the rows of batch ``b`` (placement ``p``,
+        None: place it now): one optimizer step per distinct row, in place in its tier."""
+        self._staged_path.check_deferred()
+        rg = self._staged_path.row_grads(b, p, grad, bag, scale)
+        self.plane.check(rg, "gradients")
+        if p is None:
+            try:
+                p = self._place(b, account=False)
+            except CapacityError:
+                if not self.revoke_prefetches():
+                    raise
+                p = self._place(b, account=False)
+        if self._staging and p.dev is None:  # located, not placed: its slots to the device
+            p.dev = self._staged_path.stage(b, p)
+        present = tables_present(b.t.contiguous().numpy(), len(self.tables)).tolist()  # one compiled pass
+        steps = sorted(set(stepped or ()) | set(present))
+        for ti in steps:  # in the batch without ids: a step, as SparseAdam's
+            self._steps[ti] += 1
+        self.plane.apply(self, rg, p, present)
+        self._staged_path.defer(rg, steps, "gradients")
         self.counters.add_io(IO.UPDATES, 1)
         self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -602,7 +773,7 @@ class HierarchicalStore(BatchedOps):
             finally:
                 self._closed = True
                 self._disk.close()
-                self._release_path()
+                locks.release_store(self.path, self._lockfd)
                 from .metrics import STORES
                 STORES.remove(self)
 

@@ -18,13 +18,13 @@ from .dataplane.batch import sorted_runs
 
 @dataclass
 class Placement:
-    """Where the distinct rows of a batch sit after :meth:`HierarchicalStore._resolve`
+    """Where the distinct rows of a batch sit after :meth:`~hiermem.residency.Residency.resolve`
     (CPU tensors: the control plane's answer)."""
 
     on_device: torch.Tensor | None  # bool [U] (None: all on device)
     slot: torch.Tensor  # int64 [U], a slot of the device or host tier
     was_on_device: torch.Tensor | None = None  # bool [U]: on the device before the resolve (None: all)
-    dev: SimpleNamespace | None = None  # the same on the store's device, staged (HierarchicalStore._stage)
+    dev: SimpleNamespace | None = None  # the same on the store's device, staged (hiermem.staged.StagedPath.stage)
 
 
 @dataclass

@@ -587,7 +587,7 @@ class HierarchicalStore:
     def slot_tiers(self) -> tuple[SlotTier, SlotTier]:
         """The slot tiers, fastest first: ``(device, host)``.  Their metadata is the
         control plane's; read it under :attr:`lock`, change it never."""
-        return self._dev, self._host
+        return self._res.tiers
 
     @property
     def device_tier(self) -> SlotTier:
@@ -744,7 +744,7 @@ class HierarchicalStore:
             self._staged_path.check_deferred()
             self._staged_path.settle_host()
             parts = []
-            for tier in (self._dev, self._host):
+            for tier in self._res.tiers:
                 s = tier.dirty.nonzero().squeeze(1)
                 parts.append((tier, s))
             rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.read(s, self.width).cpu(),
@@ -813,7 +813,7 @@ class HierarchicalStore:
                 table, io = self.cumulative_counters()
                 c = SimpleNamespace(table=table, io=io)
             occ = {}
-            for tier in (self._dev, self._host):
+            for tier in self._res.tiers:
                 kt = tier.keys_t[tier.keys_t >= 0].cpu()
                 occ[tier.tier] = torch.bincount(kt, minlength=len(self.tables)).tolist()
             out: dict = {}
@@ -856,7 +856,7 @@ class HierarchicalStore:
         """
         with self._lock:
             ts, ks, gs = [], [], []
-            for tier in (self._dev, self._host):
+            for tier in self._res.tiers:
                 occ = tier.occupied()
                 assert occ.numel() == tier.occupancy, f"{tier.tier.label}: free list and keys disagree"
                 assert not bool(tier.dirty[tier.keys_t < 0].any()), f"{tier.tier.label}: dirty free slot"
@@ -974,11 +974,11 @@ class HierarchicalStore:
         """Forget every row: all tables return to their initial values (LMDB emptied)."""
         with self._lock:
             self._check_open()
-            for tier in (self._dev, self._host):
+            for tier in self._res.tiers:
                 occ = tier.occupied()
                 if bool((tier.pins[occ] > 0).any()):
                     raise HierMemError("cannot clear a store with pinned rows (a prefetch is in flight)")
-            for tier in (self._dev, self._host):
+            for tier in self._res.tiers:
                 self._keys.remove_slots(tier.g(tier.occupied()))
                 tier.clear()
             self._res.epoch += 1

@@ -9,8 +9,9 @@ A policy is two things, both compiled (numba) and shared by the store and the si
   to the lower slot).  The victim search itself (:mod:`hiermem.core.victims`) is the
   tier's, not the policy's.
 
-Per-slot state lives in flat arrays: ``key`` (int64, the order), and for policies that
-need it ``score`` (float64) and ``uses`` (int64); ``params`` (float64 ``[4]``) holds the
+Per-slot state lives in flat arrays: ``key`` (int64, the order; in a tier, a field of its
+slot records, :mod:`hiermem.core.layout`), and for policies that need it ``score``
+(float64) and ``uses`` (int64); ``params`` (float64 ``[4]``) holds the
 policy's code and parameters.  Float orders (``lfu_decay``'s decayed counts) become int64
 keys through an order-preserving bit map (:func:`f2key`), so every policy shares one
 integer victim search.

@@ -58,7 +58,7 @@ class RowGrads:
     src: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     summed: torch.Tensor | None = None
-    d: object = None  # the batch's staged control arrays on the device (HierarchicalStore._stage)
+    d: object = None  # the batch's staged control arrays on the device (hiermem.staged.StagedPath.stage)
     defer: bool = False  # check finiteness on the device, without a host sync (see TorchPlane.check)
     ok: torch.Tensor | None = None  # bool scalar on the device: every sum finite (a deferred check)
 

@@ -114,7 +114,6 @@ class HierarchicalStore:
         self._staged_path = self._res.staged
         self._stager = self._staged_path.stager  # (its copy count, for tests)
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
-        self._dims_np.flags.writeable = False
         self.plane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._base_table, self._base_io = saved_counters(meta_counters, self.counters)
         self._clock = 0
@@ -626,7 +625,7 @@ class HierarchicalStore:
 
     @property
     def dims(self) -> np.ndarray:
-        """Each table's embedding dim (int64, read-only)."""
+        """Each table's embedding dim (int64; the kernels take it as is: do not write to it)."""
         return self._dims_np
 
     @property

@@ -5,9 +5,10 @@ stamp file (the kernels load lazily, on first use); on a fresh install it compil
 everything now, so the first batch of a training run is not the one that waits.  The
 kernels compile in two processes at once when the machine has a second core (numba
 compiles on one thread; both write the same on-disk caches), in halves of about equal
-compile time: this process the commit and the store's batch helpers; a child the
-placement decisions and the data plane's lookup and fused SGD (called directly, so the
-child compiles none of the commit half).  What only some users run compiles at its
+compile time (measured: ~33 s each on this project's 2-core machines): this process the
+control plane (placement decisions and commit) and the store's batch helpers; a child
+the data plane's lookup and fused SGD (called directly, so the child compiles none of
+the control plane).  What only some users run compiles at its
 first use instead, cached then: the other fused optimizers (Adagrad, row-wise Adagrad,
 Adam; ~4 s each) and the simulator's replay loop (~20 s, with its own one-line notice;
 :func:`hiermem.core.jit.announce_compile`).  ``NUMBA_DISABLE_JIT=1`` skips it.
@@ -176,15 +177,14 @@ def _child_env() -> dict:
 
 
 def _start_child() -> subprocess.Popen | None:
-    """A child process compiling the placement decisions (``_exercise(0)``) and the data
-    plane's kernels (:func:`_exercise_kernels`); None on one core, or if it cannot
-    start."""
+    """A child process compiling the data plane's kernels (:func:`_exercise_kernels`);
+    None on one core, or if it cannot start."""
     from ..overlap import available_cores
 
     if available_cores() < 2:
         return None
     try:
-        return subprocess.Popen([sys.executable, "-c", "from hiermem.core import warm; warm._exercise(0); warm._exercise_kernels(0)"],
+        return subprocess.Popen([sys.executable, "-c", "from hiermem.core import warm; warm._exercise_kernels(0)"],
                                 env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     except OSError:
@@ -202,8 +202,8 @@ def ensure_compiled(force: bool = False) -> float:
     if child is None:
         _exercise()
         _exercise_kernels()
-    else:  # the commit and replay half, then what a store's batches compile besides
-        _exercise(1)  # (dedup, checks: the torch plane) while the child does the rest
+    else:  # the control plane, then what a store's batches compile besides (dedup,
+        _exercise()  # checks: the torch plane) while the child compiles the data plane
         _exercise_dataplane(plane="torch")
         try:
             child.wait(timeout=900)

@@ -112,7 +112,6 @@ class HierarchicalStore:
                               self._steps, self._initial_records, self._meta)
         self._keys, self._dev, self._host = self._res.keys, self._res.dev, self._res.host
         self._staged_path = self._res.staged
-        self._stager = self._staged_path.stager  # (its copy count, for tests)
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.plane = default_plane(self.device)  # executes pooling and the fused optimizer
         self._base_table, self._base_io = saved_counters(meta_counters, self.counters)
@@ -564,7 +563,7 @@ class HierarchicalStore:
                 if not self.revoke_prefetches():
                     raise
                 p = self._place(b, account=False)
-        if self._staging and p.dev is None:  # located, not placed: its slots to the device
+        if self._staged_path.active and p.dev is None:  # located, not placed: its slots to the device
             p.dev = self._staged_path.stage(b, p)
         present = tables_present(b.t.contiguous().numpy(), len(self.tables)).tolist()  # one compiled pass
         steps = sorted(set(stepped or ()) | set(present))
@@ -631,18 +630,14 @@ class HierarchicalStore:
     @property
     def plane(self) -> DataPlane:
         """The data plane object executing pooling and the fused optimizer."""
-        return self._plane
+        return self._res.plane
 
     @plane.setter
     def plane(self, plane: DataPlane) -> None:
-        self._plane = self._res.plane = plane
-        self._staged_path.active = self._staging
-
-    @property
-    def _staging(self) -> bool:
-        """Whether the data plane reads staged control arrays: on CUDA, and on the CPU
-        under the torch plane (so CPU tests run the same code)."""
-        return self.device.type == "cuda" or self._plane.name == "torch"
+        self._res.plane = plane
+        # the data plane reads staged control arrays on CUDA, and on the CPU under the
+        # torch plane (so CPU tests run the same code)
+        self._staged_path.active = self.device.type == "cuda" or plane.name == "torch"
 
     @property
     def defer_nonfinite(self) -> bool:

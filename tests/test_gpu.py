@@ -92,7 +92,7 @@ def test_cuda_bags_across_tiers_match_the_cpu_store(tmp_path, mode, opt):
             s.update_bags(t, k, offsets, grad.to(dev), pool_mode, wd)
         torch.testing.assert_close(outs[1].cpu(), outs[0], atol=1e-5, rtol=1e-5)
     cuda = stores[1]
-    assert cuda._stager.copies == steps  # the update reused the lookup's staged arrays
+    assert cuda._staged_path.stager.copies == steps  # the update reused the lookup's staged arrays
     st = cuda.stats()["_store"]
     assert st["bytes_device_to_host"] > 0 and st["bytes_host_to_disk"] > 0
     for s in stores:
@@ -145,7 +145,7 @@ def test_cuda_steady_state_steps_never_sync(tmp_path, device_rows, host_rows):
     module = hm.CachedEmbeddingBagCollection(tables, cfg)
     _module_steps(module, _features(10, 0))  # warm-up: every row resident, buffers grown
     torch.cuda.synchronize()
-    before_copies, before_io = module.store._stager.copies, module.store.counters.io.clone()
+    before_copies, before_io = module.store._staged_path.stager.copies, module.store.counters.io.clone()
     waits = dict(staging.WAITS)
     steps = 20
     torch.cuda.set_sync_debug_mode("error")
@@ -154,7 +154,7 @@ def test_cuda_steady_state_steps_never_sync(tmp_path, device_rows, host_rows):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert module.store._stager.copies - before_copies == steps  # one control copy per batch
+    assert module.store._staged_path.stager.copies - before_copies == steps  # one control copy per batch
     moved = int(module.store.counters.io[IO.BYTES_DEVICE_TO_HOST] - before_io[IO.BYTES_DEVICE_TO_HOST])
     assert (moved > 0) == (device_rows < 600 * 3)
     blocked = {k: v - waits.get(k, 0) for k, v in staging.WAITS.items() if v != waits.get(k, 0)}

@@ -105,23 +105,23 @@ class HierarchicalStore:
         except BaseException:
             locks.release_store(self.path, self._lockfd, unlink=self._made_lock)
             raise
-        self.counters = Counters(len(tables))
+        self._counters = Counters(len(tables))
         # where every row is, and moving rows there (the control plane's kernels, the
         # disk tier's I/O and the data plane's copies)
-        self._res = Residency(self.tables, self.widths, config, self.device, self.policy, self._disk, self.counters,
+        self._res = Residency(self.tables, self.widths, config, self.device, self.policy, self._disk, self._counters,
                               self._steps, self._initial_records, self._meta)
         self._keys, self._dev, self._host = self._res.keys, self._res.dev, self._res.host
         self._staged_path = self._res.staged
         self._dims_np = np.array([s.dim for s in tables], dtype=np.int64)
         self.plane = default_plane(self.device)  # executes pooling and the fused optimizer
-        self._base_table, self._base_io = saved_counters(meta_counters, self.counters)
+        self._base_table, self._base_io = saved_counters(meta_counters, self._counters)
         self._clock = 0
         self._memo: tuple | None = None  # last lookup's batch + placement, reused by update
         self._recorder = None  # a hiermem.sim.trace.TraceRecorder while recording
         self.max_dim = max(s.dim for s in tables)
         self._multi = MultiIds(self.tables, self.device)  # validation and dedup of multi-table batches
         self._multi_memo: BagMemo | None = None  # last lookup_bags, reused by update_bags
-        self._prefetches = Prefetches(self._res, self.counters)  # prefetch tickets, pins, lookahead
+        self._prefetches = Prefetches(self._res, self._counters)  # prefetch tickets, pins, lookahead
         self._closed = False
         if config.trace_path is not None:
             self.record(config.trace_path)
@@ -594,6 +594,13 @@ class HierarchicalStore:
     @property
     def host_tier(self) -> SlotTier:
         return self._host
+
+    @property
+    def counters(self) -> Counters:
+        """This session's counters (hits, misses, evictions, bytes moved, durations), shared
+        with the placement engine and the prefetches: read it or take differences of it
+        (``stats()``, Prometheus); it cannot be replaced."""
+        return self._counters
 
     @property
     def disk(self) -> DiskTier:

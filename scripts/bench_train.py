@@ -85,7 +85,7 @@ import hiermem as hm  # noqa: E402
 from hiermem.data import ZipfIds, shared_data_dir  # noqa: E402
 from hiermem.dlrm import DLRM, PlainEmbeddingBags  # noqa: E402
 from hiermem.sim.cost import CostModel  # noqa: E402
-from hiermem.stats import IO, STAT_TIERS, Counters, Stat  # noqa: E402
+from hiermem.stats import IO, STAT_TIERS, Stat  # noqa: E402
 from hiermem.types import Tier  # noqa: E402
 
 CRITEO_KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
@@ -319,13 +319,13 @@ def warm(tr: Trainer, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
 
 def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool | str, preload: bool,
                device: str = "cpu"):
-    """A store restored from the template, every row loaded when ``preload``; counters zeroed."""
+    """A store restored from the template, every row loaded when ``preload`` (the timed
+    figures are differences of counters, so the loading lookups count in none)."""
     store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb, device=device)
     if preload:
         for t in wl.tables:
             for i in range(0, t.num_rows, 1 << 16):
                 store.lookup(t.name, torch.arange(i, min(t.num_rows, i + (1 << 16))))
-        store.counters = Counters(len(wl.tables))
     return store
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,8 +62,6 @@ def main(argv=None) -> int:
     else:
         dev = int(a.size * W)
         host, depth, pre = 8 * dev, (bt.DEPTH if a.kind == "disk_pf" else 0), False
-    import shutil
-    import tempfile
     tmp = Path(tempfile.mkdtemp(prefix="hiermem-profile-"))
     try:
         plain = PlainEmbeddingBags(wl.tables)
@@ -75,11 +75,13 @@ def main(argv=None) -> int:
         for _ in range(a.warmup):
             tr.step(next(it))
         bt.settle(store, pipe)
+        s0 = bt.snapshot(store, pipe)
         t0 = time.perf_counter()
         for _ in range(a.steps):
             tr.step(next(it))
         bt.settle(store, pipe)
         t_ours = time.perf_counter() - t0
+        f = bt.figures(s0, bt.snapshot(store, pipe), a.steps, batch, False, 1e30, t_ours, 0.0)
         t0 = time.perf_counter()
         for b in batches[a.warmup + a.steps:a.warmup + 2 * a.steps]:
             base.step(b)
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
         print(f"{wl.name}/{a.kind} on {a.device}: W = {W:.0f}, device rows {dev}, host rows {host}, "
               f"prefetch depth {depth} ({pipe.mode if pipe else 'none'}); unprofiled {1e3 * t_ours / a.steps:.2f} "
               f"ms/step vs baseline {1e3 * t_base / a.steps:.2f} ms/step: x{t_base / t_ours:.3f}")
+        print("hit rates", f["hit_rates"], "; rows per step", f["rows_per_step"])
         if pipe is not None:
             print(f"pipeline: {pipe.mode}, {pipe.background_reason}; trials {pipe.stats()['trials']}")
         prof = cProfile.Profile()

@@ -40,6 +40,22 @@ def test_counters_by_hand(tmp_path):
     s.close()
 
 
+def test_counters_are_shared_and_cannot_be_replaced(tmp_path):
+    """The placement engine and the prefetches count into the store's own counters: a
+    replaced object would silently stop counting, so replacing it is refused."""
+    import pytest
+
+    s = _store(tmp_path)
+    with pytest.raises(AttributeError):
+        s.counters = hm.stats.Counters(2)
+    s.lookup("a", torch.tensor([1, 2]))
+    s.lookup("a", torch.tensor([3]))  # 3 misses, one row down to host
+    t = s.counters.table[0]
+    assert int(t[hm.Tier.DEVICE, hm.stats.Stat.MISSES]) == 3 and int(t[hm.Tier.DEVICE, hm.stats.Stat.EVICTIONS]) == 1
+    assert s.stats()["a"]["device"]["misses"] == 3
+    s.close()
+
+
 def test_update_after_lookup_of_other_table_is_not_confused(tmp_path):
     s = _store(tmp_path, device_rows=8, host_rows=8)
     ids = torch.tensor([1, 2])

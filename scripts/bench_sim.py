@@ -16,11 +16,17 @@
 * ``per_access``: the same simulator on a trace of single-id batches (the form most cache
   traces have: ``--per-access`` accesses of the same Zipf stream), device tier only
   (50k rows), LRU and LFU, replayed in one compiled loop; against libcachesim's LRU on
-  the same ids in the same run (hits must agree exactly).
+  the same ids in the same run (hits must agree exactly), and against a floor measured
+  in the same run: a bare per-access LRU over arrays (a doubly linked list of slots and a
+  direct id -> slot array, ~40 lines of numba; same hits), the least work an exact LRU
+  replay does per access on this machine.  ``per_access_over_floor`` is the share of
+  that speed the simulator keeps while running the store's placement (two tiers, pins,
+  counters, the reservoir victim search).
 
 The compiled kernels are loaded (or compiled) by a small warm-up replay first, not timed.
 The last line is JSON with ``sim_accesses_per_s``, ``per_access_accesses_per_s``,
-``per_access_over_libcachesim``, ``libcachesim_accesses_per_s`` and ``mrc20_over_single``.
+``per_access_over_libcachesim``, ``per_access_over_floor``, ``libcachesim_accesses_per_s`` and
+``mrc20_over_single``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -74,6 +81,70 @@ def _libcachesim(tmp: Path, ids: np.ndarray, cap: int) -> tuple[float | None, in
     return time.perf_counter() - t0, round(ratio * ids.size)
 
 
+@numba.njit(cache=True, nogil=True)
+def _floor_lru(ids, n_rows, cap):
+    """Hits of a per-access LRU of ``cap`` rows over ``ids`` (int64 in ``[0, n_rows)``): a
+    doubly linked list of slots, a direct id -> slot array; the same-run floor."""
+    slot = np.full(n_rows, -1, np.int64)
+    key = np.empty(cap, np.int64)
+    prev = np.empty(cap, np.int64)
+    nxt = np.empty(cap, np.int64)
+    head = tail = np.int64(-1)
+    used = hits = np.int64(0)
+    for i in range(ids.size):
+        r = ids[i]
+        s = slot[r]
+        if s >= 0:
+            hits += 1
+            if s != head:  # unlink, then in front
+                p, q = prev[s], nxt[s]
+                nxt[p] = q
+                if q >= 0:
+                    prev[q] = p
+                else:
+                    tail = p
+                prev[s] = -1
+                nxt[s] = head
+                prev[head] = s
+                head = s
+            continue
+        if used < cap:
+            s = used
+            used += 1
+        else:  # the least recent row leaves
+            s = tail
+            slot[key[s]] = -1
+            tail = prev[s]
+            nxt[tail] = -1
+        key[s] = r
+        slot[r] = s
+        prev[s] = -1
+        nxt[s] = head
+        if head >= 0:
+            prev[head] = s
+        head = s
+        if tail < 0:
+            tail = s
+    return hits
+
+
+def _floor(ids: np.ndarray, cap: int, out: dict) -> None:
+    """The bare LRU's speed on the same ids (best of three: it is the floor)."""
+    _floor_lru(ids[:64], int(ids.max()) + 1, 8)  # compile (or load) outside the timing
+    best, hits = None, None
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hits = int(_floor_lru(ids, int(ids.max()) + 1, cap))
+        secs = time.perf_counter() - t0
+        best = secs if best is None else min(best, secs)
+    out["floor_lru_accesses_per_s"] = ids.size / best
+    out["floor_lru_hits"] = hits
+    out["per_access_over_floor"] = out["per_access_lru_accesses_per_s"] / out["floor_lru_accesses_per_s"]
+    out["per_access_hits_equal_floor"] = hits == out["per_access_lru_hits"]
+    print(f"floor (bare numba LRU) on the same ids: {ids.size / best / 1e6:.2f} M accesses/s; "
+          f"simulator / floor {out['per_access_over_floor']:.2f}; hits equal: {out['per_access_hits_equal_floor']}")
+
+
 def _per_access(tmp: Path, ids: np.ndarray, cap: int, out: dict) -> None:
     """Single-id batches through the simulator (LRU, LFU) and libcachesim's LRU."""
     n = ids.size
@@ -94,6 +165,7 @@ def _per_access(tmp: Path, ids: np.ndarray, cap: int, out: dict) -> None:
         out["per_access_hits_equal_libcachesim"] = n - misses == out["per_access_lru_hits"]
         print(f"libcachesim LRU on the same ids: {n / secs / 1e6:.2f} M accesses/s; "
               f"hits equal: {out['per_access_hits_equal_libcachesim']}")
+    _floor(ids, cap, out)
 
 
 def _warm_up() -> None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find1
-from .jit import kernel, leaf
+from .jit import kernel, leaf, prefetch
 from .policy import touch
 from .victims import _sort_pairs
 from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_,
                    decide_)
+
+_AHEAD = 32  # ids ahead whose tag the dedup prefetches (19 -> 11 ns an id, 10M Zipf ids over 1M rows)
 
 # hiermem.stats.IO positions used here
 _H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
@@ -119,12 +121,15 @@ def _dedup(rows, a, b, table_of_row, row_base, tag, i, c0, scratch):
     dense row): ``i << 32 | q`` once batch ``i`` saw the row, ``q`` its first-seen place.
     One pass over the ids (counts and last clocks by first-seen place: one array probed
     per id), then a radix sort of the distinct rows only (numba's ``np.sort`` of 22k rows
-    took 1.2 ms, the radix sort 0.2; the dedup was half the batched replay's time)."""
+    took 1.2 ms, the radix sort 0.2; the dedup was half the batched replay's time).
+    The tag of the id ``_AHEAD`` places on is prefetched."""
     bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
     rk, qq, cnt, last = scratch[4], scratch[5], scratch[6], scratch[7]
     u = np.int64(0)
     hi = np.int64(i) << 32
     for j in range(a, b):
+        if j + _AHEAD < b:
+            prefetch(tag, rows[j + _AHEAD])  # a Zipf batch's tail ids miss the cache
         r = rows[j]
         tg = tag[r]
         if tg >> 32 != i:

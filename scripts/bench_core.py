@@ -20,10 +20,12 @@ the plain numpy / torch work on the same ids and rows that no placement can avoi
   returns ready records and the write is dropped).  Floor: the same record copies
   (disk records in, device rows down, host rows gathered for the write).
 * ``replay``: a per-access trace (one id per batch) of Zipf(1.05) over 1M rows through
-  the simulator's compiled loop (the store's kernels), a 50k-row device tier.
+  the simulator's compiled loop (the store's kernels), a 50k-row device tier.  Floor: a
+  bare per-access LRU over arrays on the same ids (``bench_sim``'s, ~40 lines of numba):
+  ``replay_over_floor`` is the share of its speed the replay keeps.
 
 Last line: one JSON object (``probe_ratio``, ``probe_bounded_ratio``, ``swap_ratio``,
-``disk_miss_plan_ratio``, ``replay_accesses_per_s`` and the ns figures).
+``disk_miss_plan_ratio``, ``replay_accesses_per_s``, ``replay_over_floor`` and the ns figures).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hiermem as hm  # noqa: E402
+import bench_sim  # noqa: E402  (the replay's floor)
 from hiermem.core import index as ixk  # noqa: E402
 from hiermem.core.index import KeyIndex  # noqa: E402
 from hiermem.data import ZipfIds  # noqa: E402
@@ -198,16 +202,17 @@ def bench_disk_miss(tmp: Path, policy: str, reps: int, quick: bool) -> dict:
             f"disk_miss_plan_{policy}_floor_ns_per_row": floor / n * 1e9, f"disk_miss_plan_{policy}_ratio": sec / floor}
 
 
-def bench_replay(policy: str, accesses: int) -> dict:
+def bench_replay(policy: str, ids: np.ndarray) -> dict:
     tiny = Trace(Path("."), ("z",), np.arange(64, dtype=np.int64) % 7, np.ones((64, 1), dtype=np.int64), False)
     Simulator(tiny, SimConfig(device_rows=3, host_rows=0, policy=policy, updates=False)).run()  # load/compile, untimed
-    ids = ZipfIds(1_000_000, 1.05, 7)(accesses).astype(np.int64)
+    accesses = ids.size
     tr = Trace(Path("."), ("z",), ids, np.ones((accesses, 1), dtype=np.int64), False)
     sim = Simulator(tr, SimConfig(device_rows=50_000, host_rows=0, policy=policy, updates=False))
     t0 = time.perf_counter()
     r = sim.run()
     sec = time.perf_counter() - t0
-    return {f"replay_{policy}_accesses_per_s": accesses / sec, f"replay_{policy}_hit_rate": r.hit_rate}
+    return {f"replay_{policy}_accesses_per_s": accesses / sec, f"replay_{policy}_hit_rate": r.hit_rate,
+            f"replay_{policy}_hits": r.device_hits}
 
 
 def main(argv=None) -> int:
@@ -224,13 +229,20 @@ def main(argv=None) -> int:
         for policy in ("lru", "lfu"):
             out.update(bench_swap(Path(td), policy, reps, a.quick))
             out.update(bench_disk_miss(Path(td), policy, reps, a.quick))
+    ids = ZipfIds(1_000_000, 1.05, 7)(a.accesses).astype(np.int64)
     for policy in ("lru", "lfu"):
-        out.update(bench_replay(policy, a.accesses))
+        out.update(bench_replay(policy, ids))
+    floor = {"per_access_lru_accesses_per_s": out["replay_lru_accesses_per_s"],
+             "per_access_lru_hits": out["replay_lru_hits"]}
+    bench_sim._floor(ids, 50_000, floor)  # the bare numba LRU on the same ids: the replay's floor
+    out["replay_floor_accesses_per_s"] = floor["floor_lru_accesses_per_s"]
+    out["replay_lru_hits_equal_floor"] = floor["per_access_hits_equal_floor"]
     out["probe_ratio"] = out["probe_unbounded_ratio"]
     out["probe_bounded_ratio"] = out["probe_bounded_ratio"]
     out["swap_ratio"] = max(out["swap_lru_ratio"], out["swap_lfu_ratio"])
     out["disk_miss_plan_ratio"] = max(out["disk_miss_plan_lru_ratio"], out["disk_miss_plan_lfu_ratio"])
     out["replay_accesses_per_s"] = min(out["replay_lru_accesses_per_s"], out["replay_lfu_accesses_per_s"])
+    out["replay_over_floor"] = out["replay_accesses_per_s"] / out["replay_floor_accesses_per_s"]
     out["seconds"] = time.perf_counter() - t0
     for k in ("probe", "probe_bounded", "swap", "disk_miss_plan"):
         print(f"{k:16s} ratio to floor {out[k + '_ratio']:.2f}")

@@ -91,3 +91,22 @@ def test_lmdb_bound_from_a_configurations_figures(bt):
     assert b["serial"] == pytest.approx(2 / 6, abs=1e-3) and b["overlapped"] == pytest.approx(0.5)
     c["ms_per_step"] = {"lmdb_read": 0.5, "lmdb_write": 0.5}
     assert bt.bound(c, 256)["overlapped"] == pytest.approx(1.0)
+
+
+def test_the_replay_floor_is_an_exact_lru():
+    """bench_sim's (and bench_core's) same-run floor, a bare numba LRU, counts the hits
+    cachetools' LRUCache counts on the same ids (the ratio compares equal work)."""
+    from cachetools import LRUCache
+
+    bs = _load("bench_sim")
+    rng = np.random.default_rng(4)
+    ids = (rng.zipf(1.3, 20_000) % 500).astype(np.int64)
+    for cap in (1, 7, 64, 499, 600):
+        c, hits = LRUCache(cap), 0
+        for i in ids.tolist():
+            if i in c:
+                hits += 1
+                c[i]  # a use: most recent
+            else:
+                c[i] = True
+        assert bs._floor_lru(ids, 500, cap) == hits

@@ -57,27 +57,6 @@ def test_single_width_keeps_the_flat_layout(tmp_path):
         assert s.stats()["_store"]["host_record_bytes"] == 32 * 9 * 4
 
 
-def test_one_width_write_scatters_like_index_copy():
-    """A one-width host tier writes a step's rows with the compiled scatter (from
-    ``SCATTER_FROM`` rows): the records equal index_copy_'s, narrower ``rec`` keeps the
-    rest of each record, and a slot out of range is refused before anything is written."""
-    h = HostTier(5000, [8], [None], PolicySpec("lru"), base=0)
-    assert h.uniform
-    g = torch.Generator().manual_seed(3)
-    ref = torch.randn(5000, h.width, generator=g)
-    h.data.copy_(ref)
-    for n, w in ((host_mod.SCATTER_FROM, h.width), (3000, h.width), (700, 5), (10, h.width)):
-        slots = torch.randperm(5000, generator=g)[:n]
-        rec = torch.randn(n, w, generator=g)
-        h.write(slots, rec)
-        ref[:, :w].index_copy_(0, slots, rec)
-        assert torch.equal(h.data, ref)
-    bad = torch.arange(4990, 4990 + host_mod.SCATTER_FROM)
-    with pytest.raises(IndexError):
-        h.write(bad, torch.zeros(bad.numel(), h.width))
-    assert torch.equal(h.data, ref)
-
-
 def _tier(widths, bounds, capacity=8):
     h = HostTier(capacity, widths, bounds, PolicySpec("lru"), base=100)
     return h, h.state[0]

@@ -13,7 +13,9 @@ current key.  Entries whose key is no longer the slot's are stale and skipped; t
 victims are the smallest current entries that are evictable, merged from the run and
 the heap.  When both run out (or the heap overflows) the reservoir is rebuilt by one
 pass.  A one-access batch (a per-access trace) costs amortised O(1) for LRU and
-O(log n) for LFU.
+O(log n) for LFU.  A tier of fewer slots than the run's floor keeps all of them in the
+run (``tau`` its largest key) rather than sorting the tier for every miss, unless one
+call takes at least 1/64 of its rows (a batch's victims: then one pass is as cheap).
 
 ``pol`` is the policy state tuple ``(key, score, uses, params, rm, run_s, run_k,
 hk, hs, sk, ss)`` (the helpers take its arrays one by one, see :mod:`hiermem.core.jit`); ``rmeta`` (int64 ``[8]``): valid, tau, pos, run
@@ -365,7 +367,9 @@ def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, 
         return scan_(key, rm, keys_t, pins, mark, n, out)
     held = occupancy - evictable
     r = max(8 * n, occupancy // FRACTION, 4096) + held
-    if np.int64(params[0]) == 3 or rm[SCAN_ONLY]:  # lookahead rewrites every key
+    if np.int64(params[0]) == 3 or rm[SCAN_ONLY] or (r >= occupancy and 64 * n >= occupancy):
+        # lookahead rewrites every key; a small tier losing a large share of its rows at
+        # once: one pass costs what a whole-tier reservoir would, without its heap
         drop(rm)
         return scan_(key, rm, keys_t, pins, mark, n, out)
     for _attempt in range(2):

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
-from ..core.jit import prefetch
 from ..core.layout import RECORD
 from ..eviction import PolicySpec
 from ..types import Tier
@@ -124,28 +123,6 @@ def scatter_records(flat, hoff, hcls, cw, slots, rec):
         o = hoff[s]
         for j in range(w):
             flat[o + j] = rec[i, j]
-
-
-@_jit
-def scatter_rows(flat, width, slots, rec, ahead):
-    """``flat[slots[i] * width:][:w] = rec[i]`` (``w`` = ``rec``'s columns ``<= width``):
-    a one-width host tier's records written at random slots, the record ``ahead`` rows on
-    prefetched (its first and last float) so the cache misses of a step's thousands of
-    writes overlap.  ``flat``: float32, the tier's ``[H, width]`` storage as one array."""
-    n, w = slots.size, rec.shape[1]
-    for i in range(n):
-        if i + ahead < n:
-            o = slots[i + ahead] * width
-            prefetch(flat, o)
-            prefetch(flat, o + w - 1)
-        o = slots[i] * width
-        for j in range(w):
-            flat[o + j] = rec[i, j]
-
-
-#: rows from which a one-width host tier's write is the compiled scatter (below it,
-#: torch's index_copy_ costs less than the call)
-SCATTER_FROM = 64
 
 
 def _rows_view(flat: np.ndarray, width: int) -> np.ndarray:
@@ -324,13 +301,6 @@ class HostTier(SlotTier):
         if self.uniform:
             idx = slots if isinstance(slots, torch.Tensor) else torch.from_numpy(_i64(slots))
             w = rec.shape[1]
-            if (idx.numel() >= SCATTER_FROM and rec.device.type == "cpu" and rec.dtype == torch.float32
-                    and rec.is_contiguous() and w <= self.width and self.data.is_contiguous()):
-                sl = _i64(idx)
-                if sl.min() < 0 or sl.max() >= self.capacity:  # the kernel does not check
-                    raise IndexError(f"host slots out of [0, {self.capacity})")
-                scatter_rows(self.data.view(-1).numpy(), self.width, sl, rec.numpy(), 8)
-                return
             dst = self.data if w == self.width else self.data[:, :w]
             dst.index_copy_(0, idx.cpu(), rec.cpu())
             return

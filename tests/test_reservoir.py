@@ -114,11 +114,12 @@ def test_a_small_tier_keeps_every_slot_in_one_reservoir():
     assert p.reservoir_builds == 1
 
 
+@pytest.mark.parametrize("cap", [300, 20_000])
 @pytest.mark.parametrize("name", ["lru", "lfu", "lfu_decay"])
-def test_small_tier_per_access_victims_equal_a_full_scan(name):
-    """One victim a call from a 300-slot tier, with uses, carried keys and pins between
-    calls: the whole-tier reservoir gives the scan's victims."""
-    cap = 300
+def test_per_access_victims_with_carry_ins_equal_a_full_scan(name, cap):
+    """One victim a call, with uses, old keys carried in (rows up from another tier) and
+    pins between calls: the whole-tier reservoir (a small tier; LRU's per-access calls on
+    any tier) gives the scan's victims."""
     rng = np.random.default_rng(11)
     p, ref = POLICIES[name](cap, "cpu"), POLICIES[name](cap, "cpu")
     ref.reservoir = False
@@ -135,6 +136,13 @@ def test_small_tier_per_access_victims_equal_a_full_scan(name):
         if step % 97 == 5:
             pins[:] = 0
             pins[rng.choice(cap, 20, replace=False)] = 1
+        if step % 13 == 0:  # a row up from another tier, with the key it had there
+            old = rng.choice(cap, 2, replace=False)
+            keys = rng.integers(0, clock, 2).astype(np.int64)
+            for q in (p, ref):
+                q.on_carry_in(old, torch.stack((torch.from_numpy(keys).view(torch.float64),
+                                                torch.zeros(2, dtype=torch.float64),
+                                                torch.ones(2, dtype=torch.float64)), 1))
         v = _victims(p, kt, pins, np.zeros(0, np.int64), 1)
         assert np.array_equal(v, _victims(ref, kt, pins, np.zeros(0, np.int64), 1)), f"step {step}"
         for q in (p, ref):

@@ -367,6 +367,8 @@ def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, 
         return scan_(key, rm, keys_t, pins, mark, n, out)
     held = occupancy - evictable
     r = max(8 * n, occupancy // FRACTION, 4096) + held
+    if n == 1 and np.int64(params[0]) == 0:  # LRU, one victim a call (a per-access trace)
+        r = occupancy  # keys only grow: the whole tier, sorted once, lasts until it is spent
     if np.int64(params[0]) == 3 or rm[SCAN_ONLY] or (r >= occupancy and 64 * n >= occupancy):
         # lookahead rewrites every key; a small tier losing a large share of its rows at
         # once: one pass costs what a whole-tier reservoir would, without its heap

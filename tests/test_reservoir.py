@@ -233,3 +233,10 @@ def test_select_on_ordered_keys_and_its_heap_fallback():
         b = a.copy()
         assert vk._heap_select(b, lo, hi, k) == np.partition(a[lo:hi + 1], k - lo)[k - lo]
         assert np.array_equal(np.sort(b[lo:hi + 1]), np.sort(a[lo:hi + 1])) and np.array_equal(b[:lo], a[:lo])
+
+
+def test_the_victim_search_knows_the_policy_codes():
+    """victims.py names LRU's and lookahead's codes itself (policy.py imports it)."""
+    from hiermem.core import policy
+
+    assert (vk._LRU, vk._LOOKAHEAD) == (policy.LRU, policy.LOOKAHEAD)

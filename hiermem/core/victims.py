@@ -31,6 +31,7 @@ from numba.core import types
 from .jit import DISABLED, helper, inline, is_warm, kernel, leaf, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
+_LRU, _LOOKAHEAD = 0, 3  # hiermem.core.policy's codes (which imports this module)
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
 INT64_MAX = np.iinfo(np.int64).max
 
@@ -367,9 +368,9 @@ def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, 
         return scan_(key, rm, keys_t, pins, mark, n, out)
     held = occupancy - evictable
     r = max(8 * n, occupancy // FRACTION, 4096) + held
-    if n == 1 and np.int64(params[0]) == 0:  # LRU, one victim a call (a per-access trace)
+    if n == 1 and np.int64(params[0]) == _LRU:  # one victim a call (a per-access trace)
         r = occupancy  # keys only grow: the whole tier, sorted once, lasts until it is spent
-    if np.int64(params[0]) == 3 or rm[SCAN_ONLY] or (r >= occupancy and 64 * n >= occupancy):
+    if np.int64(params[0]) == _LOOKAHEAD or rm[SCAN_ONLY] or (r >= occupancy and 64 * n >= occupancy):
         # lookahead rewrites every key; a small tier losing a large share of its rows at
         # once: one pass costs what a whole-tier reservoir would, without its heap
         drop(rm)

@@ -213,10 +213,8 @@ def restore(checkpoint: str | os.PathLike, path: str | os.PathLike, open_store):
     """Replace the store at ``path`` by a copy of ``checkpoint``, then ``open_store()`` it
     (with the store's lock handed over to that open).  See ``HierarchicalStore.restore``."""
     ck, path = Path(checkpoint).absolute(), Path(path).absolute()
-    from .locks import HANDOFF as _HANDOFF, OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK
-
-    with _OPEN_LOCK:
-        if os.path.realpath(path) in _OPEN:
+    with locks.OPEN_LOCK:
+        if os.path.realpath(path) in locks.OPEN:
             raise HierMemError(f"{path}: store is open in this process; close it before restoring over it")
     if not (ck / "data.mdb").is_file():
         raise StoreFormatError(ck, "not a hiermem checkpoint (no data.mdb)")
@@ -254,12 +252,12 @@ def restore(checkpoint: str | os.PathLike, path: str | os.PathLike, open_store):
         raise
     os.close(readers_fd)  # readers may come now; the store's own lock passes to the open
     key = os.path.realpath(path)
-    with _OPEN_LOCK:
-        _HANDOFF[key] = lockfd
+    with locks.OPEN_LOCK:
+        locks.HANDOFF[key] = lockfd
     try:
         return open_store()
     finally:
-        with _OPEN_LOCK:
-            fd = _HANDOFF.pop(key, None)
+        with locks.OPEN_LOCK:
+            fd = locks.HANDOFF.pop(key, None)
         if fd is not None:  # the open failed before taking it
             os.close(fd)

@@ -81,7 +81,7 @@ def _libcachesim(tmp: Path, ids: np.ndarray, cap: int) -> tuple[float | None, in
     return time.perf_counter() - t0, round(ratio * ids.size)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(nogil=True)  # not cached: scripts are loaded under several module names
 def _floor_lru(ids, n_rows, cap):
     """Hits of a per-access LRU of ``cap`` rows over ``ids`` (int64 in ``[0, n_rows)``): a
     doubly linked list of slots, a direct id -> slot array; the same-run floor."""
@@ -128,20 +128,27 @@ def _floor_lru(ids, n_rows, cap):
     return hits
 
 
-def _floor(ids: np.ndarray, cap: int, out: dict) -> None:
-    """The bare LRU's speed on the same ids (best of three: it is the floor)."""
-    _floor_lru(ids[:64], int(ids.max()) + 1, 8)  # compile (or load) outside the timing
-    best, hits = None, None
+def floor_lru(ids: np.ndarray, cap: int) -> tuple[float, int]:
+    """``(accesses/s, hits)`` of the bare LRU of ``cap`` rows on ``ids``, the best of three
+    runs (it is the floor); compiled (or loaded) before the timing."""
+    n_rows = int(ids.max()) + 1
+    _floor_lru(ids[:64], n_rows, 8)
+    best, hits = None, 0
     for _ in range(3):
         t0 = time.perf_counter()
-        hits = int(_floor_lru(ids, int(ids.max()) + 1, cap))
+        hits = int(_floor_lru(ids, n_rows, cap))
         secs = time.perf_counter() - t0
         best = secs if best is None else min(best, secs)
-    out["floor_lru_accesses_per_s"] = ids.size / best
-    out["floor_lru_hits"] = hits
-    out["per_access_over_floor"] = out["per_access_lru_accesses_per_s"] / out["floor_lru_accesses_per_s"]
+    return ids.size / best, hits
+
+
+def _floor(ids: np.ndarray, cap: int, out: dict) -> None:
+    """The per-access replay against the bare LRU on the same ids."""
+    rate, hits = floor_lru(ids, cap)
+    out["floor_lru_accesses_per_s"], out["floor_lru_hits"] = rate, hits
+    out["per_access_over_floor"] = out["per_access_lru_accesses_per_s"] / rate
     out["per_access_hits_equal_floor"] = hits == out["per_access_lru_hits"]
-    print(f"floor (bare numba LRU) on the same ids: {ids.size / best / 1e6:.2f} M accesses/s; "
+    print(f"floor (bare numba LRU) on the same ids: {rate / 1e6:.2f} M accesses/s; "
           f"simulator / floor {out['per_access_over_floor']:.2f}; hits equal: {out['per_access_hits_equal_floor']}")
 
 

@@ -40,9 +40,9 @@ def slot_records(capacity: int) -> tuple[np.ndarray, ...]:
     no kernel ever sees it: slot loops skip free slots, and the rest go by the tier's
     capacity."""
     C = max(int(capacity), 2)
-    raw = np.zeros(max(C, 1) * RECORD + _ALIGN, dtype=np.uint8)  # (a view needs a buffer even when empty)
+    raw = np.zeros(C * RECORD + _ALIGN, dtype=np.uint8)
     off = (-raw.ctypes.data) % _ALIGN
-    buf = raw[off:off + max(C, 1) * RECORD]
+    buf = raw[off:off + C * RECORD]
 
     def view(dtype, at: int) -> np.ndarray:
         return np.ndarray((C,), dtype=dtype, buffer=buf, offset=at, strides=(RECORD,))

@@ -61,7 +61,7 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
                 prefetch(slot_of, offsets_[t2] + r2 - row_base[t2])
                 r2 = rows[a + _STAGE]
                 t2 = table_of_row[r2]
-                s2 = slot_of[offsets_[t2] + r2 - row_base[t2]]
+                s2 = find1(meta, offsets_, slot_of, tab, t2, r2 - row_base[t2])
                 if s2 >= 0 and s2 < D:
                     prefetch(dkt, s2)
             r = rows[a]

@@ -23,6 +23,8 @@ naming the code and its parameters; the contract suite runs it compiled and inte
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .jit import f64_bits, kernel, tiny
@@ -48,8 +50,11 @@ def f2key(x):
 
 @tiny
 def _logaddexp2(a, b):
+    """``log2(2**a + 2**b)``.  ``math``'s functions, not numpy's: compiled and interpreted
+    they are the same libm calls, while numpy's SIMD ``log1p``/``log2`` (AVX-512 builds)
+    and numba's ``**`` differ from libm in the last bit, and the parity test would see it."""
     m = max(a, b)
-    return m + np.log1p(2.0 ** (min(a, b) - m)) / _LN2
+    return m + math.log1p(math.exp2(min(a, b) - m)) / _LN2
 
 
 @tiny
@@ -65,7 +70,7 @@ def new_key(params, key, score, uses, s, clock, count, insert):
     if kind == LOOKAHEAD:
         return clock if insert else clock | (key[s] & SOON)
     # LFU_DECAY: log2 of the sum of count * 2**(clock / half_life) over uses
-    w = np.log2(np.float64(count)) + clock / params[1]
+    w = math.log2(np.float64(count)) + clock / params[1]
     if insert:
         score[s] = w
         uses[s] = count

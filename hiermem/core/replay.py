@@ -11,6 +11,9 @@ batches replays at memory speed.
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import numpy as np
 
 from .index import find1
@@ -44,7 +47,7 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
     D = dtm[2]
     account = True
     nb = offsets.size - 1
-    first = True
+    start = i
     direct = meta[0] == 0  # a direct index: an id's entry is known without probing
     while i < nb:
         a, b = offsets[i], offsets[i + 1]
@@ -78,17 +81,15 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
                     io[_UPDATED] += 1
                 c0 += 1
                 i += 1
-                first = False
                 continue
             bt[0] = t
             bk[0] = k
             clock[0] = c0
             counts[0] = 1
         else:
-            if not first:  # deduplicated by the caller
+            if i != start:  # a later batch of more than one id: deduplicated by the caller
                 return i, c0
             u = u0
-        first = False
         t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
         decide_(ix, dev, dpol, host, hpol, t_, k_, ws, res)
         if res[STATUS] == CAPACITY:
@@ -197,6 +198,72 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
         if i < 0:
             return i
     return c0
+
+
+@kernel
+def dedup_batch(rows, offsets, table_of_row, row_base, tag, i, clock0, scratch):
+    """:func:`_dedup` of batch ``i`` of a replay that started at clock ``clock0`` (batch
+    ``i``'s first access has clock ``clock0 + offsets[i] - offsets[0]``); returns ``u``."""
+    a, b = offsets[i], offsets[i + 1]
+    return _dedup(rows, a, b, table_of_row, row_base, tag, i, clock0 + a - offsets[0], scratch)
+
+
+PIPELINE_IDS = 4096  # mean ids of a multi-id batch from which replay_pipelined pays (2 handoffs a batch)
+
+
+def replay_pipelined(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters,
+                     io, row_bytes, ws, res, clock0, depth: int = 2):
+    """:func:`replay` on two threads: a worker deduplicates the batches of more than one
+    id (:func:`dedup_batch`, which reads only the trace) up to ``depth`` batches ahead,
+    while this thread places them (:func:`_run`, the same compiled placement).  Both
+    kernels release the GIL.  Same arguments, result and state as :func:`replay`; the
+    work is the same, so are the numbers.  Pays where batches are large (a handoff per
+    batch of more than one id: ~tens of microseconds); ``replay`` otherwise."""
+    lens = np.diff(offsets)
+    multi = np.flatnonzero(lens > 1)
+    nmax = max(1, int(lens.max())) if lens.size else 1
+    bufs: queue.Queue = queue.Queue()
+    for _ in range(depth + 1):
+        bufs.put(np.empty((8, nmax), dtype=np.int64))
+    ready: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    tag = np.full(table_of_row.size if multi.size else 1, -1, dtype=np.int64)
+
+    def work() -> None:
+        try:
+            for j in multi:
+                buf = bufs.get()
+                if stop.is_set():
+                    return
+                ready.put((int(j), dedup_batch(rows, offsets, table_of_row, row_base, tag, j, clock0, buf), buf))
+        except BaseException as e:  # pragma: no cover - re-raised by the placing thread
+            ready.put(e)
+
+    worker = threading.Thread(target=work, name="hiermem-replay-dedup", daemon=True)
+    worker.start()
+    single = np.empty((8, 1), dtype=np.int64)  # a run of single-id batches needs one column
+    i, c0, k, nb = 0, int(clock0), 0, offsets.size - 1
+    try:
+        while i < nb:
+            scratch, u0 = single, 0
+            if k < multi.size and multi[k] == i:
+                item = ready.get()
+                if isinstance(item, BaseException):  # pragma: no cover - a worker failure
+                    raise item
+                j, u0, scratch = item
+                assert j == i, (j, i)
+                k += 1
+            i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates,
+                         counters, io, row_bytes, ws, res, scratch, u0, i, c0)
+            if scratch is not single:
+                bufs.put(scratch)
+            if i < 0:
+                return i
+        return c0
+    finally:
+        stop.set()
+        bufs.put(None)  # wakes a worker waiting for a buffer
+        worker.join()
 
 
 @kernel

@@ -47,7 +47,7 @@ from ..eviction import PolicySpec, resolve_policy
 from ..core import plan as _plan
 from ..core.index import KeyIndex
 from ..core.jit import announce_compile
-from ..core.replay import rank_dense, replay
+from ..core.replay import PIPELINE_IDS, rank_dense, replay, replay_pipelined
 from ..stats import IO, STAT_TIERS, Counters, Stat
 from ..tiers.slots import SlotTier, by_tier
 from ..types import Tier
@@ -70,6 +70,9 @@ class SimConfig:
         updates: rows become dirty after each batch (None: the trace's own flag).
         row_bytes: bytes of one row record (weights + optimizer state) for bytes moved.
         cost: the cost model turning bytes moved into an estimated step time.
+        pipeline: (no prefetch) deduplicate each batch a batch ahead on a second thread;
+            None: where torch has more than one thread and batches average at least
+            ``hiermem.core.replay.PIPELINE_IDS`` ids.  The numbers are the same either way.
     """
 
     device_rows: int
@@ -79,6 +82,7 @@ class SimConfig:
     updates: Optional[bool] = None
     row_bytes: int = 256
     cost: CostModel = field(default_factory=CostModel)
+    pipeline: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("device_rows", "host_rows", "row_bytes"):
@@ -91,8 +95,9 @@ class SimConfig:
         k = self.prefetch_depth
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise InvalidArgumentError(f"prefetch_depth must be an int >= 0, got {k!r}")
-        if self.updates is not None and not isinstance(self.updates, bool):
-            raise InvalidTypeError("updates must be a bool or None")
+        for name in ("updates", "pipeline"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InvalidTypeError(f"{name} must be a bool or None")
 
     def policy_spec(self) -> PolicySpec:
         return self.policy if isinstance(self.policy, PolicySpec) else resolve_policy(self.policy)
@@ -169,10 +174,16 @@ def _rank(ids: np.ndarray, out: np.ndarray | None = None, base: int = 0) -> tupl
     return out, u.size
 
 
-def dense_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+def dense_rows(trace: Trace, keep_ids: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Each access's row as a dense number over ``(table, id)`` (in that sorted order),
-    and the table of each dense row."""
+    and the table of each dense row.  ``keep_ids``: a single table whose ids all lie in
+    ``[0, accesses)`` keeps them as its row numbers (rows no access uses included: no
+    array longer than the trace, and no ranking pass, ~9 ns an access)."""
     single = len(trace.tables) == 1
+    if single and keep_ids and trace.ids.size and trace.ids.dtype == np.int64:
+        lo, hi = int(trace.ids.min()), int(trace.ids.max())
+        if lo >= 0 and hi < trace.ids.size:
+            return np.ascontiguousarray(trace.ids), np.zeros(hi + 1, dtype=np.int64)
     tab = None if single else trace.table_of_ids()
     dense = np.empty(trace.accesses, dtype=np.int64)
     tables_of_rows, base = [], 0
@@ -195,7 +206,7 @@ class _Batches:
     """A trace with dense row numbers: per batch its distinct rows, counts, last positions."""
 
     def __init__(self, trace: Trace):
-        dense, table_of_row = dense_rows(trace)
+        dense, table_of_row = dense_rows(trace, keep_ids=True)
         self.num_rows = table_of_row.size
         self.table_of_row = torch.from_numpy(table_of_row)
         self._offsets = None
@@ -373,16 +384,23 @@ class Simulator:
             rows = torch.from_numpy(self.b.row_base)[tier.keys_t.clamp(min=0)] + tier.keys_k
             tier.policy.on_lookahead((occ & (soon.index_select(0, rows) > 0)).nonzero().squeeze(1))
 
-    def _run_plain(self) -> None:
-        """Every batch in one compiled loop (:func:`hiermem.core.replay.replay`)."""
+    def _run_plain(self, threads: int) -> None:
+        """Every batch in one compiled loop (:func:`hiermem.core.replay.replay`); with
+        ``threads > 1`` and large batches, each batch's dedup runs a batch ahead on a
+        second thread (:func:`~hiermem.core.replay.replay_pipelined`, same numbers)."""
         if self._lookahead:  # pragma: no cover - lookahead needs prefetch (k > 0)
             raise AssertionError("lookahead replays go through _run_prefetch")
         b, dev, host = self.b, self._dev, self._host
         announce_compile(replay, "the simulator's replay loop")  # not warmed at import: ~20 s, once
-        out = replay(self._keys.arrays, dev.state, dev.policy.state, host.state, host.policy.state,
-                     b.dense.numpy(), b.offsets_np, b.table_of_row.numpy(), b.row_base,
-                     self._written, bool(self.updates), self.counters.table.numpy(), self._io,
-                     self.config.row_bytes, *_plan.workspace(b.max_batch), self._clock)
+        lens = np.diff(b.offsets_np)
+        multi = lens[lens > 1]
+        pipelined = (self.config.pipeline if self.config.pipeline is not None else
+                     threads > 1 and multi.size > 1 and multi.mean() >= PIPELINE_IDS)
+        out = (replay_pipelined if pipelined else replay)(
+            self._keys.arrays, dev.state, dev.policy.state, host.state, host.policy.state,
+            b.dense.numpy(), b.offsets_np, b.table_of_row.numpy(), b.row_base,
+            self._written, bool(self.updates), self.counters.table.numpy(), self._io,
+            self.config.row_bytes, *_plan.workspace(b.max_batch), self._clock)
         if out < 0:
             i = -1 - out
             raise CapacityError(f"batch {i} needs more rows resident at once than the device ({dev.capacity}) "
@@ -485,7 +503,7 @@ class Simulator:
             if self.config.prefetch_depth:
                 self._run_prefetch(self.config.prefetch_depth)
             else:
-                self._run_plain()
+                self._run_plain(threads)
         finally:
             torch.set_num_threads(threads)
         self.degraded = int(self.counters.io[IO.PREFETCH_DEGRADED])

@@ -45,7 +45,7 @@ def _loop(tmp_path, steps, slow_prefetch=0.0, slow_foreground=0.0):
             emb(feats).sum().backward()
         assert pipe.mode_settled
         st = pipe.stats()
-        st["disk_read_ahead_cached"] = len(emb.store.disk._ahead)
+        st["disk_read_ahead_cached"] = len(emb.store.disk.ahead)
     emb.store.audit()
     assert int(emb.store.device_tier.pins.sum()) == 0 and int(emb.store.host_tier.pins.sum()) == 0
     emb.store.close()

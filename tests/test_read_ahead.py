@@ -39,7 +39,7 @@ def test_read_ahead_serves_reads_and_counts(disk):
     ids = np.array([5, 7, 99, 150])  # 150 was never written
     kept = disk.read_ahead([(0, ids, W)], disk.begin_read_ahead())
     assert kept == 4
-    assert len(disk._io_procs) == int(disk.io_process)
+    assert len(disk.procs.processes()) == int(disk.io_process)
     found, rec = disk.read(0, np.array([150, 7, 5, 99, 3]), W)
     assert found.tolist() == [False, True, True, True, True]
     np.testing.assert_array_equal(rec[1:], _rec([7, 5, 99, 3], 0.0))
@@ -119,7 +119,7 @@ def test_store_read_ahead_then_training_equals_plain_lookups(tmp_path, io_proces
         assert torch.equal(ia[oa], ib[ob]) and torch.equal(ra[oa], rb[ob])
     st = stores[0].stats()["_store"]
     assert st["disk_read_ahead_hits"] > 100 and st["disk_read_ahead_rows"] >= st["disk_read_ahead_hits"]
-    assert stores[0]._disk.io_failures == 0 and len(stores[0]._disk._io_procs) == int(io_process)
+    assert stores[0]._disk.io_failures == 0 and len(stores[0]._disk.procs.processes()) == int(io_process)
     for s in stores:
         s.close()
 

@@ -72,7 +72,7 @@ def test_training_equals_synchronous_write_backs_and_the_reference(tmp_path, io)
     ref = FlatStore(TABLES, hm.Adagrad(lr=0.1), seed=3)
     train([wb, sync, ref], 120)
     assert wb.stats()["_store"]["bytes_host_to_disk"] > 0  # rows really went down (and came back)
-    assert wb._disk.io_failures == 0 and len(wb._disk._io_procs) == int(io)  # the writer's process, if any
+    assert wb._disk.io_failures == 0 and len(wb._disk.procs.processes()) == int(io)  # the writer's process, if any
     st = wb.stats()["_store"]
     assert st["disk_io_processes"] == int(io) and st["disk_io_failures"] == 0
     a, b, r = snapshot(wb), snapshot(sync), snapshot(ref)
@@ -126,7 +126,7 @@ def test_queued_rows_are_read_from_the_queue(tmp_path, gated):
     assert s._disk.queued > 0  # the writer is held: dirty victims wait in the queue
     # reads take the queued records (LMDB still holds older ones, or none)
     stale = 0
-    for ti, ids, rec in s._disk._wq[0].groups:
+    for ti, ids, rec in s._disk.queue.snapshot()[0].groups:
         spec = TABLES[ti]
         found, got = s._disk.read(ti, ids.astype("int64"), s.widths[ti])
         assert found.all()
@@ -245,7 +245,7 @@ def test_a_dying_io_process_loses_nothing_and_is_given_up_after_three(tmp_path):
         for st in (s, twin, ref):
             emb = st.lookup(name, ids)
             st.update(name, ids, 0.5 * emb + noise)
-        procs = [p for p in s._disk._io_procs if p.alive]
+        procs = [p for p in s._disk.procs.processes() if p.alive]
         if i % 20 == 10 and procs:
             os.kill(procs[0].proc.pid, signal.SIGKILL)
             procs[0].proc.wait()

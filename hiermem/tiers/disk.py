@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import operator
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -38,13 +39,14 @@ from ..errors import DiskFullError, HierMemError, StoreFormatError, StoreIOError
 from ..stats import Histogram
 from .io_procs import IOProcesses
 from .ioerrors import _disk_full, _is_enospc, retry_read, typed
-from .mapgrow import (PREALLOCATING_FILESYSTEMS, WRITEMAP_INITIAL, MapGrowth, _round_up,  # noqa: F401
-                      filesystem_type, writemap_safe)
+from .lmdb_process import LmdbProcess, LmdbProcessError
+from .mapgrow import (PREALLOCATING_FILESYSTEMS, WRITEMAP_INITIAL, _round_up,  # noqa: F401
+                      filesystem_type, grow_map, preallocate, writemap_safe, writemap_size)
 from .read_ahead import AHEAD_BATCHES, ReadAhead, _Ahead  # noqa: F401
 from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY,  # noqa: F401
                       ROWS_DB_V1, _check_lmdb_file, decode_keys, id_keys, key_list, meta_bytes, parse_meta, refuse_v1,
                       table_db, table_of_db, value_list)
-from .write_behind import WRITE_BEHIND_BATCHES, WriteBehind, _Queued  # noqa: F401
+from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
 
 COMMIT_ATTEMPTS = 2  # a commit that failed with an I/O error is tried once more (LMDB aborted it whole)
 MIGRATE_CHUNK = 1 << 16  # version-1 rows copied per transaction of a migration
@@ -66,8 +68,9 @@ def put_sorted(cur: lmdb.Cursor, ids: np.ndarray, rec: np.ndarray) -> None:
             raise HierMemError("LMDB refused appended keys: ids not distinct and ascending")
 
 
-class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
-    """An LMDB environment at ``path`` (a directory).
+class DiskTier:
+    """An LMDB environment at ``path`` (a directory), with its read-ahead cache
+    (:attr:`ahead`), write-behind queue (:attr:`queue`) and I/O processes (:attr:`procs`).
 
     Args:
         path: directory of the environment; created (mode 0700) when ``create``.
@@ -161,9 +164,12 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         self.bytes_written = 0
         self.read_seconds = Histogram()  # each batched read (one getmulti)
         self.write_seconds = Histogram()  # each write transaction, and its sync when asked
-        self._init_read_ahead()
-        self._init_write_behind(write_behind)
-        self._init_io_processes(io_process, sync)
+        self._timing = threading.Lock()  # the histograms (read-ahead and writer threads observe too)
+        self.write_behind = bool(write_behind)
+        self.ahead = ReadAhead(self._read_groups)
+        self.queue = WriteQueue(self._commit_queued, lambda q: self._write_txn(self._txn_body(q), q.nbytes),
+                                self._committed)
+        self.procs = IOProcesses(self.path, io_process, sync, self._max_dbs)
         if self.version == 1 and migrate:
             try:
                 self._migrate_v1()
@@ -193,6 +199,24 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
             t = table_of_db(name)
             if t is not None:
                 self._dbs[t] = self.env.open_db(name, create=False, integerkey=True)
+
+    def _open_writemap(self, map_size: int, sync: bool) -> None:
+        """Reopen the (validated) environment with ``MDB_WRITEMAP`` over a map allocated
+        in full (:mod:`.mapgrow`); on DiskFullError the environment stays open as it was."""
+        size = writemap_size(self.env, self.path, map_size)
+        preallocate(self.path, size)
+        self.env.close()
+        for wm in (True, False):  # should the reopen fail, back to the plain environment
+            try:
+                self.env = lmdb.open(str(self.path), map_size=size, max_dbs=self._max_dbs, readahead=False,
+                                     meminit=False, create=False, sync=sync, writemap=wm)
+                self._open_dbs()
+            except lmdb.Error as e:
+                if not wm:
+                    raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
+                continue
+            self.writemap = wm
+            return
 
     def ensure_tables(self, n: int) -> None:
         """Make the sub-databases of tables ``0..n-1`` that do not exist yet (no transaction
@@ -314,8 +338,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         """
         queued = []
         if self.write_behind:  # else nothing is ever queued
-            with self._wq_cv:  # before reading LMDB: a batch committed meanwhile is still here
-                queued = list(self._wq)
+            queued = self.queue.snapshot()  # before reading LMDB: a batch committed meanwhile is still here
         found, out = self._read(table, ids, width)
         for q in queued:  # oldest first: the newest wins
             for t, qids, qrec in q.groups:
@@ -348,8 +371,8 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
                 return f[inverse], r[inverse]
         else:
             su = u
-        if self._ahead:
-            got = self._from_ahead(table, u, found, out)
+        if self.ahead:
+            got = self.ahead.lookup(table, u, found, out)
             if got.all():
                 return found, out
             if got.any():  # read the rest
@@ -363,8 +386,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         keys = key_list(su)
         t0 = time.perf_counter()
         res = self.snapshot_read(lambda txn: txn.cursor(db=db).getmulti(keys))
-        with self._ahead_cv:  # a read-ahead (another thread) observes it too
-            self.read_seconds.observe(time.perf_counter() - t0)
+        self._observe(self.read_seconds, t0)
         self.parse_records(res, table, width, su, order, found, out)
         return found, out
 
@@ -409,8 +431,135 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
 
     def durations(self) -> tuple[Histogram, Histogram]:
         """Copies of the read and write duration histograms."""
-        with self._ahead_cv:
+        with self._timing:
             return self.read_seconds.copy(), self.write_seconds.copy()
+
+    def _observe(self, hist: Histogram, t0: float) -> None:
+        with self._timing:
+            hist.observe(time.perf_counter() - t0)
+
+    # -- read-ahead (the cache is :attr:`ahead`) --------------------------------
+    def begin_read_ahead(self) -> int:
+        """:meth:`ReadAhead.begin`: open a read-ahead; returns its token."""
+        return self.ahead.begin()
+
+    def read_ahead(self, groups: list[tuple[int, np.ndarray, int]], token: int, keep: int | None = None) -> int:
+        """:meth:`ReadAhead.read`: read ``(table, ids, width)`` groups into the cache,
+        without the store's lock; returns the records kept."""
+        return self.ahead.read(groups, token, keep)
+
+    def drop_read_ahead(self) -> None:
+        """Forget every read-ahead record (a pipeline that stops reading ahead): reads and
+        writes then skip the cache's lookups.  Waits for a read-ahead still reading."""
+        self.ahead.clear(wait=True)
+
+    @property
+    def ahead_rows(self) -> int:
+        """Records read ahead and kept."""
+        return self.ahead.rows
+
+    @property
+    def ahead_hits(self) -> int:
+        """Reads served from read-ahead records."""
+        return self.ahead.hits
+
+    def _read_groups(self, groups: list[tuple[int, np.ndarray, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Records of ``(table, sorted distinct uint64 ids, width)`` groups in one snapshot,
+        by this thread's I/O process where it has one: ``[(found, records)]``."""
+        proc = self._proc(write=False)
+        if proc is not None:
+            t0 = time.perf_counter()
+            try:
+                got = proc.read(groups)
+            except LmdbProcessError as e:
+                self.procs.failed(proc, e)
+            else:
+                self._observe(self.read_seconds, t0)
+                for found, rec in got:
+                    self.bytes_read += int(found.sum()) * rec.shape[1] * 4
+                return got
+        dbs = [self.table_database(table) for table, _, _ in groups]  # before the transaction: opening one takes its own
+        out = []
+        with self.env.begin(buffers=False) as txn:
+            for (table, ids, width), db in zip(groups, dbs):
+                found = np.zeros(len(ids), dtype=bool)
+                rec = np.zeros((len(ids), width), dtype=np.float32)
+                if db is not None and len(ids):
+                    t0 = time.perf_counter()
+                    res = txn.cursor(db=db).getmulti(key_list(ids))
+                    self._observe(self.read_seconds, t0)
+                    self.parse_records(res, table, width, ids, None, found, rec)
+                out.append((found, rec))
+        return out
+
+    # -- write-behind (the queue is :attr:`queue`) -------------------------------
+    def enqueue(self, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
+        """Queue a write-back for the writer thread (``write_behind``; else :meth:`write`).
+        Waits while ``WRITE_BEHIND_BATCHES`` are queued.  Returns the bytes of records.
+
+        Raises:
+            DiskFullError, HierMemError: an earlier queued write failed and failed again
+                when retried here; nothing of this call was queued.
+        """
+        if not self.write_behind:
+            return self.write(groups, meta=meta)
+        q = self._prepare(groups, meta)
+        self.queue.put(q)
+        self.ahead.written([(t, ids) for t, ids, _ in q.groups])  # LMDB's copies are going stale
+        self.bytes_written += q.nbytes
+        return q.nbytes
+
+    def drain(self) -> None:
+        """Wait until every queued write-back is committed (:meth:`WriteQueue.drain`)."""
+        self.queue.drain()
+
+    @property
+    def queued(self) -> int:
+        """Rows in queued write-backs."""
+        return self.queue.rows
+
+    def _commit_queued(self, q: _Queued) -> None:
+        """The writer thread's commit of a queued write-back: by its I/O process, or here
+        (no map growth: that needs every reader out; the caller's retry does it)."""
+        proc = self._proc(write=True)
+        if proc is not None:
+            try:
+                self._proc_write(proc, q)
+            except LmdbProcessError as e:
+                self.procs.failed(proc, e)
+                raise
+        else:
+            with self.env.begin(write=True) as txn:
+                self._txn_body(q)(txn)
+
+    @staticmethod
+    def _proc_write(proc: LmdbProcess, q: _Queued) -> None:
+        """Commit a queued write-back in the writer thread's I/O process."""
+        proc.write(q.groups, q.meta_raw)
+
+    def _committed(self, q: _Queued, t0: float) -> None:
+        self.ahead.written([(t, ids) for t, ids, _ in q.groups])  # a read-ahead open meanwhile drops them
+        self._observe(self.write_seconds, t0)
+
+    # -- I/O processes (:attr:`procs`) ------------------------------------------
+    def _proc(self, write: bool) -> LmdbProcess | None:
+        """This thread's I/O process over the current map, or None: do the I/O here."""
+        return self.procs.get(write, self.map_size, self.writemap)
+
+    @property
+    def io_process(self) -> bool:
+        """Background LMDB work goes through child processes (until they failed thrice)."""
+        return self.procs.enabled
+
+    @property
+    def io_failures(self) -> int:
+        """I/O processes that failed to start or died."""
+        return self.procs.failures
+
+    @property
+    def io_processes(self) -> int:
+        """I/O processes running now (one per background thread that used one)."""
+        return self.procs.running
 
     def write(self, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], meta: dict | None = None,
               sync: bool = False) -> int:
@@ -427,11 +576,10 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
         t0 = time.perf_counter()
         self._write_txn(self._txn_body(q), q.nbytes)
         if q.groups:
-            self._written([(t, ids) for t, ids, _ in q.groups])
+            self.ahead.written([(t, ids) for t, ids, _ in q.groups])
         if sync:
             self.sync()
-        with self._ahead_cv:
-            self.write_seconds.observe(time.perf_counter() - t0)
+        self._observe(self.write_seconds, t0)
         self.bytes_written += q.nbytes
         return q.nbytes
 
@@ -477,9 +625,8 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
                     body(txn)
                 return
             except lmdb.MapFullError:
-                with self._ahead_cv:  # no transaction may be open while the map is resized
-                    self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
-                    size = self._grown_map() if self.writemap else self.map_size * 2
+                with self.ahead.idle():  # no transaction may be open while the map is resized
+                    size = grow_map(self.path, self.map_size) if self.writemap else self.map_size * 2
                     self.env.set_mapsize(size)
                     self.map_size = size
             except lmdb.Error as e:
@@ -502,7 +649,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
                 txn.put(META_KEY, meta_raw, db=self.meta_db)
 
         self._write_txn(body)
-        self._drop_ahead()
+        self.ahead.clear()
         self.sync()
 
     def sync(self) -> None:
@@ -528,18 +675,7 @@ class DiskTier(MapGrowth, ReadAhead, WriteBehind, IOProcesses):
     def close(self) -> None:
         """Close the environment.  Queued write-backs not yet committed are dropped: the
         store drains the queue (flush) before closing."""
-        with self._wq_cv:
-            self._wq_stop = True
-            self._wq_cv.notify_all()
-        if self._writer is not None:
-            self._writer.join(timeout=60)
-        with self._ahead_cv:  # a read-ahead still reading (another thread) finishes first
-            self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
-            self._ahead = []
-            self._ahead_open = None
-        with self._io_lock:
-            procs, self._io_procs = self._io_procs, []
-            self.io_process = False
-        for p in procs:
-            p.close()
+        self.queue.stop()
+        self.ahead.clear(wait=True)  # a read-ahead still reading (another thread) finishes first
+        self.procs.close()
         self.env.close()

@@ -17,10 +17,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+from pathlib import Path
 
-import lmdb
-
-from ..errors import DiskFullError, HierMemError, StoreFormatError
+from ..errors import DiskFullError, HierMemError
 
 # filesystems where blocks allocated by posix_fallocate back every later write in place
 # (copy-on-write filesystems such as btrfs or ZFS may still fail a write into them)
@@ -60,60 +59,47 @@ def writemap_safe(path: str | os.PathLike) -> bool:
 WRITEMAP_INITIAL = 8 << 20  # with writemap the map starts small (it is allocated on disk) and doubles
 
 
-class MapGrowth:
-    """The map-growth half of :class:`~hiermem.tiers.disk.DiskTier` (a mixin over its
-    ``env``, ``path`` and ``map_size``)."""
+def writemap_size(env, path: Path, map_size: int) -> int:
+    """The map to reopen ``env`` (at ``path``) with under ``MDB_WRITEMAP``: twice the pages
+    in use (at least ``WRITEMAP_INITIAL``, at most ``map_size``), never below the file's
+    size, in whole MiB."""
+    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    return _round_up(max((path / "data.mdb").stat().st_size, min(map_size, max(WRITEMAP_INITIAL, 2 * used))),
+                     1 << 20)
 
-    def _open_writemap(self, map_size: int, sync: bool) -> None:
-        """Reopen the (validated) environment with ``MDB_WRITEMAP`` over a map allocated
-        in full; on DiskFullError the environment stays open as it was."""
-        info, psize = self.env.info(), self.env.stat()["psize"]
-        used = (info["last_pgno"] + 1) * psize
-        size = _round_up(max((self.path / "data.mdb").stat().st_size,
-                             min(map_size, max(WRITEMAP_INITIAL, 2 * used))), 1 << 20)
-        self._preallocate(size)
-        self.env.close()
-        for wm in (True, False):  # should the reopen fail, back to the plain environment
-            try:
-                self.env = lmdb.open(str(self.path), map_size=size, max_dbs=self._max_dbs, readahead=False,
-                                     meminit=False, create=False, sync=sync, writemap=wm)
-                self._open_dbs()
-            except lmdb.Error as e:
-                if not wm:
-                    raise StoreFormatError(self.path, f"not a readable LMDB store: {e}") from e
-                continue
-            self.writemap = wm
-            return
 
-    def _preallocate(self, size: int) -> None:
-        """Allocate the data file's first ``size`` bytes (extending it).
+def preallocate(path: Path, size: int) -> None:
+    """Allocate the first ``size`` bytes of the data file of the store at ``path``
+    (extending it).
 
-        Raises:
-            DiskFullError: no room (what was allocated may stay, unused).
-        """
-        fd = os.open(self.path / "data.mdb", os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise DiskFullError(errno.ENOSPC, f"{self.path}: disk full: no room for an LMDB map of "
-                                                  f"{size} bytes ({e.strerror})") from e
-            raise HierMemError(f"{self.path}: cannot allocate the LMDB map: {e}") from e
-        finally:
-            os.close(fd)
+    Raises:
+        DiskFullError: no room (what was allocated may stay, unused).
+    """
+    fd = os.open(path / "data.mdb", os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise DiskFullError(errno.ENOSPC, f"{path}: disk full: no room for an LMDB map of "
+                                              f"{size} bytes ({e.strerror})") from e
+        raise HierMemError(f"{path}: cannot allocate the LMDB map: {e}") from e
+    finally:
+        os.close(fd)
 
-    def _grown_map(self) -> int:
-        """Allocate a larger map for :meth:`_write_txn` (writemap): double it, or where the
-        disk lacks room for that, grow by an eighth (at least 64 KiB; the caller retries,
-        growing again while the transaction does not fit).
 
-        Raises:
-            DiskFullError: no room even for the smaller step.
-        """
-        try:
-            self._preallocate(self.map_size * 2)
-            return self.map_size * 2
-        except DiskFullError:
-            size = _round_up(self.map_size + max(1 << 16, self.map_size // 8), 1 << 16)
-            self._preallocate(size)
-            return size
+def grow_map(path: Path, map_size: int) -> int:
+    """Allocate a larger map for a full writemap environment at ``path``: twice
+    ``map_size``, or where the disk lacks room for that, an eighth more (at least 64 KiB;
+    the caller retries, growing again while its transaction does not fit).  Returns the
+    new size.
+
+    Raises:
+        DiskFullError: no room even for the smaller step.
+    """
+    try:
+        preallocate(path, map_size * 2)
+        return map_size * 2
+    except DiskFullError:
+        size = _round_up(map_size + max(1 << 16, map_size // 8), 1 << 16)
+        preallocate(path, size)
+        return size

@@ -1,24 +1,24 @@
 """Read-ahead of the disk tier: the records of an upcoming batch, read on another thread.
 
-:meth:`ReadAhead.read_ahead` reads the records of an upcoming batch on another thread,
-outside the store's lock; the disk tier's ``read`` then takes them from that cache.  A
-cached record is exactly LMDB's current value: every write drops the cached copies of
-the keys it writes, and a read-ahead drops the keys written while it read (a log kept
-only while one is in flight).  Guarded by ``_ahead_cv``.
+:meth:`ReadAhead.read` reads the records of an upcoming batch on the caller's thread
+(another than the training loop's), outside the store's lock, through the disk tier's
+batched read; the disk tier's ``read`` then takes them from this cache.  A cached record
+is exactly LMDB's current value: every write drops the cached copies of the keys it
+writes (:meth:`ReadAhead.written`), and a read-ahead drops the keys written while it
+read (a log kept only while one is in flight).  Guarded by its own condition.
 """
 
 from __future__ import annotations
 
 import threading
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import lmdb
 import numpy as np
 
 from ..errors import StoreFormatError
-from .lmdb_process import LmdbProcessError
-from .records import key_list
 
 @dataclass
 class _Ahead:
@@ -43,24 +43,35 @@ AHEAD_BATCHES = 4  # read-ahead batches kept (older ones are dropped unused)
 
 
 class ReadAhead:
-    """The read-ahead cache of :class:`~hiermem.tiers.disk.DiskTier` (a mixin)."""
+    """The read-ahead cache of one disk tier.
 
-    def _init_read_ahead(self) -> None:
-        self._ahead_cv = threading.Condition()
-        self._ahead: list[list[_Ahead]] = []  # per read-ahead batch, its tables' chunks
-        self._ahead_open: int | None = None  # token of the read-ahead in flight
-        self._ahead_seq = 0
-        self._ahead_active = 0
+    Args:
+        read: the disk tier's batched read: ``[(table, sorted distinct uint64 ids,
+            width)] -> [(found bool[n], records float32[n, width])]``, one snapshot.
+    """
+
+    def __init__(self, read: Callable[[list], list]):
+        self._read = read
+        self._cv = threading.Condition()
+        self._batches: list[list[_Ahead]] = []  # per read-ahead batch, its tables' chunks
+        self._open: int | None = None  # token of the read-ahead in flight
+        self._seq = 0
+        self._active = 0
         self._wlog: list[tuple[int, np.ndarray]] = []  # (table, ids) written while a read-ahead is open
-        self.ahead_rows = 0  # records read ahead and kept
-        self.ahead_hits = 0  # reads served from them
+        self.rows = 0  # records read ahead and kept
+        self.hits = 0  # reads served from them
 
-    def _from_ahead(self, table: int, ids: np.ndarray, found: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Fill what the read-ahead cache holds of ``ids`` (distinct); which it held."""
+    def __len__(self) -> int:
+        """Read-ahead batches cached."""
+        return len(self._batches)
+
+    def lookup(self, table: int, ids: np.ndarray, found: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill what the cache holds of ``ids`` (distinct) into ``found``/``out``; returns
+        which it held (those records are used: not served again)."""
         got = np.zeros(len(ids), dtype=bool)
         ids = ids.astype(np.uint64, copy=False)
-        with self._ahead_cv:
-            for batch in reversed(self._ahead):
+        with self._cv:
+            for batch in reversed(self._batches):
                 for c in batch:
                     if c.table != table or not len(c.ids):
                         continue
@@ -72,103 +83,75 @@ class ReadAhead:
                         out[hit] = c.rec[jh]
                         c.live[jh] = False  # the row is resident now: its next read is after a write
                         got |= hit
-        self.ahead_hits += int(got.sum())
+            self.hits += int(got.sum())
         return got
 
-    def begin_read_ahead(self) -> int:
+    def begin(self) -> int:
         """Open a read-ahead (the caller holds the store's lock, so no write is between
-        its residency check and this); returns the token for :meth:`read_ahead`."""
-        with self._ahead_cv:
-            self._ahead_active += 1
-            self._ahead_seq += 1  # a later read-ahead's open closes this one (it keeps nothing)
-            self._ahead_open = self._ahead_seq
+        its residency check and this); returns the token for :meth:`read`."""
+        with self._cv:
+            self._active += 1
+            self._seq += 1  # a later read-ahead's open closes this one (it keeps nothing)
+            self._open = self._seq
             self._wlog = []
-            return self._ahead_seq
+            return self._seq
 
-    def read_ahead(self, groups: list[tuple[int, np.ndarray, int]], token: int, keep: int | None = None) -> int:
+    def read(self, groups: list[tuple[int, np.ndarray, int]], token: int, keep: int | None = None) -> int:
         """Read ``(table, distinct ids, width)`` groups into the cache, without the store's
         lock; returns the records kept.  Best effort: an LMDB error keeps nothing (the
         real read reports it)."""
         try:
-            chunks = []
+            groups = [(table, np.sort(np.asarray(ids).astype(np.uint64)), width) for table, ids, width in groups]
             try:
-                chunks = self._read_chunks(groups)
+                chunks = [_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool))
+                          for (table, ids, _), (found, rec) in zip(groups, self._read(groups))]
             except (lmdb.Error, StoreFormatError):
                 chunks = []
-            with self._ahead_cv:
-                if self._ahead_open != token:  # cleared, or another read-ahead opened since
+            with self._cv:
+                if self._open != token:  # cleared, or another read-ahead opened since
                     return 0
                 for table, written in self._wlog:  # written while this one read: stale
                     for c in chunks:
                         if c.table == table:
                             c.drop(written)
-                self._ahead_open = None
+                self._open = None
                 self._wlog = []
                 if chunks:
-                    self._ahead.append(chunks)
-                    del self._ahead[:-(keep or AHEAD_BATCHES)]
+                    self._batches.append(chunks)
+                    del self._batches[:-(keep or AHEAD_BATCHES)]
                 kept = sum(int(c.live.sum()) for c in chunks)
-                self.ahead_rows += kept
+                self.rows += kept
                 return kept
         finally:
-            with self._ahead_cv:
-                self._ahead_active -= 1
-                self._ahead_cv.notify_all()
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
 
-    def _read_chunks(self, groups: list[tuple[int, np.ndarray, int]]) -> list[_Ahead]:
-        """Records of ``(table, ids, width)`` groups, read by this thread's I/O process
-        (or here)."""
-        groups = [(table, np.sort(np.asarray(ids).astype(np.uint64)), width) for table, ids, width in groups]
-        proc = self._proc(write=False)
-        if proc is not None:
-            t0 = time.perf_counter()
-            try:
-                got = proc.read(groups)
-            except LmdbProcessError as e:
-                self._proc_failed(proc, e)
-            else:
-                with self._ahead_cv:
-                    self.read_seconds.observe(time.perf_counter() - t0)
-                for (table, ids, _), (found, rec) in zip(groups, got):
-                    self.bytes_read += int(found.sum()) * rec.shape[1] * 4
-                return [_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool))
-                        for (table, ids, _), (found, rec) in zip(groups, got)]
-        dbs = [self.table_database(table) for table, _, _ in groups]  # before the transaction: opening one takes its own
-        chunks = []
-        with self.env.begin(buffers=False) as txn:
-            for (table, ids, width), db in zip(groups, dbs):
-                found = np.zeros(len(ids), dtype=bool)
-                rec = np.zeros((len(ids), width), dtype=np.float32)
-                if db is not None and len(ids):
-                    t0 = time.perf_counter()
-                    res = txn.cursor(db=db).getmulti(key_list(ids))
-                    with self._ahead_cv:
-                        self.read_seconds.observe(time.perf_counter() - t0)
-                    self.parse_records(res, table, width, ids, None, found, rec)
-                chunks.append(_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool)))
-        return chunks
-
-    def _written(self, groups: list[tuple[int, np.ndarray]]) -> None:
-        """Keys just committed: their cached copies are stale."""
-        with self._ahead_cv:
+    def written(self, groups: list[tuple[int, np.ndarray]]) -> None:
+        """Keys just committed (or queued to be): their cached copies are stale."""
+        with self._cv:
             for table, ids in groups:
                 ids = np.asarray(ids).astype(np.uint64)
-                for batch in self._ahead:
+                for batch in self._batches:
                     for c in batch:
                         if c.table == table:
                             c.drop(ids)
-                if self._ahead_open is not None:
+                if self._open is not None:
                     self._wlog.append((table, ids))
 
-    def drop_read_ahead(self) -> None:
-        """Forget every read-ahead record (a pipeline that stops reading ahead): reads and
-        writes then skip the cache's lookups.  Waits for a read-ahead still reading."""
-        with self._ahead_cv:
-            self._ahead_cv.wait_for(lambda: self._ahead_active == 0, timeout=60)
-        self._drop_ahead()
+    @contextmanager
+    def idle(self, timeout: float = 60):
+        """Hold the cache with no read-ahead reading (one in flight finishes first, none
+        starts meanwhile): no LMDB transaction of it is open (a map resize needs that)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._active == 0, timeout=timeout)
+            yield
 
-    def _drop_ahead(self) -> None:
-        with self._ahead_cv:
-            self._ahead = []
-            self._ahead_open = None
+    def clear(self, wait: bool = False) -> None:
+        """Forget every record (``wait``: after a read-ahead still reading finishes)."""
+        with self._cv:
+            if wait:
+                self._cv.wait_for(lambda: self._active == 0, timeout=60)
+            self._batches = []
+            self._open = None
             self._wlog = []

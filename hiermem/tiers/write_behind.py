@@ -1,12 +1,13 @@
 """Write-behind of the disk tier: eviction write-backs committed by a writer thread.
 
-With ``write_behind``, eviction write-backs (:meth:`WriteBehind.enqueue`) are committed
-by a writer thread, in order, at most ``WRITE_BEHIND_BATCHES`` behind; until committed a
-row's record is in that queue, and the disk tier's ``read`` takes it from there.  Every
-other write, and :meth:`WriteBehind.drain` (flush, checkpoint, close), waits for the
-queue first.  A failed background commit keeps its batch queued; the next call that
-writes or drains retries it on the caller's thread and raises the typed error there.
-Guarded by ``_wq_cv``.
+With ``write_behind``, eviction write-backs (the disk tier's ``enqueue``, into
+:meth:`WriteQueue.put`) are committed by a writer thread, in order, at most
+``WRITE_BEHIND_BATCHES`` behind; until committed a row's record is in that queue, and
+the disk tier's ``read`` takes it from there (:meth:`WriteQueue.snapshot`).  Every other
+write, and :meth:`WriteQueue.drain` (flush, checkpoint, close), waits for the queue
+first.  A failed background commit keeps its batch queued; the next call that writes or
+drains retries it on the caller's thread and raises the typed error there.  Guarded by
+its own condition; the commits themselves are the disk tier's (callbacks).
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable
 
 import numpy as np
-
-from .lmdb_process import LmdbProcess, LmdbProcessError
 
 WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
 
@@ -33,117 +32,117 @@ class _Queued:
     nbytes: int
 
 
+class WriteQueue:
+    """The write-behind queue of one disk tier.
 
-class WriteBehind:
-    """The write-behind queue of :class:`~hiermem.tiers.disk.DiskTier` (a mixin)."""
+    Args:
+        commit: commits a queued batch on the writer thread (raises on failure).
+        recover: commits a batch whose background commit failed, on the caller's thread
+            (raises the typed error; the batch stays queued).
+        committed: ``(batch, t0)`` after either commit, before the batch leaves the
+            queue (``t0``: when its commit began).
+    """
 
-    def _init_write_behind(self, write_behind: bool) -> None:
-        self.write_behind = bool(write_behind)
-        self._wq: deque[_Queued] = deque()
-        self._wq_cv = threading.Condition()
-        self._wq_failed = False  # the writer stopped on an error: callers retry
-        self._wq_stop = False
+    def __init__(self, commit: Callable[[_Queued], None], recover: Callable[[_Queued], None],
+                 committed: Callable[[_Queued, float], None]):
+        self._commit, self._recover_one, self._committed = commit, recover, committed
+        self._q: deque[_Queued] = deque()
+        self._cv = threading.Condition()
+        self._failed = False  # the writer stopped on an error: callers retry
+        self._stop = False
         self._writer: threading.Thread | None = None
 
-    def enqueue(self, groups: Iterable[tuple[int, np.ndarray, np.ndarray]], meta: dict | None = None) -> int:
-        """Queue a write-back for the writer thread (``write_behind``; else :meth:`write`).
-
-        Waits while ``WRITE_BEHIND_BATCHES`` are queued.  Returns the bytes of records.
+    def put(self, q: _Queued) -> None:
+        """Queue a batch for the writer thread (started on first use); waits while
+        ``WRITE_BEHIND_BATCHES`` are queued.
 
         Raises:
             DiskFullError, HierMemError: an earlier queued write failed and failed again
-                when retried here; nothing of this call was queued.
+                when retried here; ``q`` was not queued.
         """
-        if not self.write_behind:
-            return self.write(groups, meta=meta)
-        q = self._prepare(groups, meta)
         while True:
             self._recover()
-            with self._wq_cv:
-                self._wq_cv.wait_for(lambda: len(self._wq) < WRITE_BEHIND_BATCHES or self._wq_failed)
-                if self._wq_failed:
+            with self._cv:
+                self._cv.wait_for(lambda: len(self._q) < WRITE_BEHIND_BATCHES or self._failed)
+                if self._failed:
                     continue
-                self._wq.append(q)
-                self._wq_cv.notify_all()
-                break
-        self._written([(t, ids) for t, ids, _ in q.groups])  # LMDB's copies are going stale
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="hiermem-lmdb-writer", daemon=True)
-            self._writer.start()
-        self.bytes_written += q.nbytes
-        return q.nbytes
+                self._q.append(q)
+                self._cv.notify_all()
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop, name="hiermem-lmdb-writer",
+                                                    daemon=True)
+                    self._writer.start()
+                return
 
     def _write_loop(self) -> None:
         while True:
-            with self._wq_cv:
-                self._wq_cv.wait_for(lambda: self._wq_stop or (self._wq and not self._wq_failed))
-                if self._wq_stop:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stop or (self._q and not self._failed))
+                if self._stop:
                     return
-                q = self._wq[0]
+                q = self._q[0]
             t0 = time.perf_counter()
             try:  # no map growth here: that needs every reader out (the caller's retry does it)
-                proc = self._proc(write=True)
-                if proc is not None:
-                    try:
-                        self._proc_write(proc, q)
-                    except LmdbProcessError as e:
-                        self._proc_failed(proc, e)
-                        raise
-                else:
-                    with self.env.begin(write=True) as txn:
-                        self._txn_body(q)(txn)
+                self._commit(q)
             except BaseException:
-                with self._wq_cv:
-                    self._wq_failed = True
-                    self._wq_cv.notify_all()
+                with self._cv:
+                    self._failed = True
+                    self._cv.notify_all()
                 continue
-            self._committed(q, t0)
+            self._done(q, t0)
 
-    @staticmethod
-    def _proc_write(proc: LmdbProcess, q: _Queued) -> None:
-        """Commit a queued write-back in the writer thread's I/O process."""
-        proc.write(q.groups, q.meta_raw)
-
-    def _committed(self, q: _Queued, t0: float) -> None:
-        self._written([(t, ids) for t, ids, _ in q.groups])  # a read-ahead open meanwhile drops them
-        with self._ahead_cv:
-            self.write_seconds.observe(time.perf_counter() - t0)
-        with self._wq_cv:
-            self._wq.popleft()
-            self._wq_cv.notify_all()
+    def _done(self, q: _Queued, t0: float) -> None:
+        self._committed(q, t0)
+        with self._cv:
+            self._q.popleft()
+            self._cv.notify_all()
 
     def _recover(self) -> None:
-        """After a failed background commit: commit the queue here, in order (growing
-        the map if it was full), or raise the typed error with the queue kept."""
-        with self._wq_cv:
-            if not self._wq_failed:
+        """After a failed background commit: commit the queue here, in order, or raise
+        the typed error with the queue kept."""
+        with self._cv:
+            if not self._failed:
                 return
         while True:
-            with self._wq_cv:
-                if not self._wq:
-                    self._wq_failed = False
-                    self._wq_cv.notify_all()
+            with self._cv:
+                if not self._q:
+                    self._failed = False
+                    self._cv.notify_all()
                     return
-                q = self._wq[0]
+                q = self._q[0]
             t0 = time.perf_counter()
-            self._write_txn(self._txn_body(q), q.nbytes)
-            self._committed(q, t0)
+            self._recover_one(q)
+            self._done(q, t0)
 
     def drain(self) -> None:
-        """Wait until every queued write-back is committed (retrying a failed one here).
+        """Wait until every queued batch is committed (retrying a failed one here).
 
         Raises:
             DiskFullError, HierMemError: a queued write failed again; it stays queued.
         """
         while True:
-            with self._wq_cv:
-                self._wq_cv.wait_for(lambda: not self._wq or self._wq_failed)
-                if not self._wq:
+            with self._cv:
+                self._cv.wait_for(lambda: not self._q or self._failed)
+                if not self._q:
                     return
             self._recover()
 
+    def snapshot(self) -> list[_Queued]:
+        """The queued batches, oldest first (a reader takes their records: the newest
+        queued record of a row is its value)."""
+        with self._cv:
+            return list(self._q)
+
     @property
-    def queued(self) -> int:
-        """Rows in queued write-backs."""
-        with self._wq_cv:
-            return sum(len(ids) for q in self._wq for _, ids, _ in q.groups)
+    def rows(self) -> int:
+        """Rows in queued batches."""
+        with self._cv:
+            return sum(len(ids) for q in self._q for _, ids, _ in q.groups)
+
+    def stop(self, timeout: float = 60) -> None:
+        """Stop the writer thread (batches still queued are dropped: drain first)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=timeout)

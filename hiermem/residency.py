@@ -273,3 +273,50 @@ class Residency:
         if bool(on_dev.all()):
             return Placement(None, g)
         return Placement(on_dev, torch.where(on_dev, g, g - D))
+
+    # -- introspection (the store's where, stats and audit) ------------------------------
+    def where(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
+        """The :class:`Tier` (int64 codes) holding the latest value of each of table
+        ``ti``'s rows ``ids``."""
+        g = self.keys.find(torch.full_like(ids, ti), ids).cpu()
+        out = torch.full((ids.numel(),), int(Tier.INIT), dtype=torch.int64)
+        found, _ = self.disk.read(ti, ids.cpu().numpy(), self.widths[ti])
+        out[torch.from_numpy(found)] = int(Tier.DISK)
+        out[g >= self.host.base] = int(Tier.HOST)
+        out[(g >= 0) & (g < self.dev.capacity)] = int(Tier.DEVICE)
+        return out
+
+    def occupancy(self, ntables: int) -> dict[Tier, list[int]]:
+        """Rows resident per tier and table."""
+        return {tier.tier: torch.bincount(tier.keys_t[tier.keys_t >= 0].cpu(), minlength=ntables).tolist()
+                for tier in self.tiers}
+
+    def audit(self) -> None:
+        """Check the invariants (O(capacity)): every resident row is in exactly one slot
+        of one tier, the index maps it there and holds nothing else; every host row has
+        a record of its width of its own; pin counts sit on occupied slots only, and
+        each tier's count of pinned slots matches its pins; the victim search's
+        reservoir agrees with the keys.
+
+        Raises:
+            AssertionError: an invariant is broken.
+        """
+        ts, ks, gs = [], [], []
+        for tier in self.tiers:
+            occ = tier.occupied()
+            label = tier.tier.label
+            assert occ.numel() == tier.occupancy, f"{label}: free list and keys disagree"
+            assert not bool(tier.dirty[tier.keys_t < 0].any()), f"{label}: dirty free slot"
+            assert not bool(tier.pins[tier.keys_t < 0].any()), f"{label}: pinned free slot"
+            assert bool((tier.pins >= 0).all()), f"{label}: negative pin count"
+            assert tier.pinned == int((tier.pins > 0).sum()), f"{label}: pinned-slot count is off"
+            tier.policy.check_reservoir(tier.keys_t >= 0)
+            ts.append(tier.keys_t[occ])
+            ks.append(tier.keys_k[occ])
+            gs.append(tier.g(occ))
+        t, k, g = torch.cat(ts), torch.cat(ks), torch.cat(gs)
+        assert self.keys.size == t.numel(), "index size differs from resident rows"
+        assert bool((self.keys.find(t, k) == g).all()), "index does not map a resident row to its slot"
+        pairs = torch.stack((t, k), 1)
+        assert torch.unique(pairs, dim=0).shape[0] == t.numel(), "a row is resident twice"
+        self.host.check()

@@ -46,7 +46,7 @@ from .stats import IO, STAT_TIERS, Counters, Stat, timed
 from .tiers import DiskTier, SlotTier
 from .tiers.disk import decode_keys
 from .tiers.slots import Rows, by_table
-from .types import StoreConfig, TableSpec, Tier
+from .types import StoreConfig, TableSpec
 
 from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK  # noqa: E402
 
@@ -790,16 +790,7 @@ class HierarchicalStore:
         with self._lock:
             self._check_open()
             ti = self.table_index(table)
-            ids = self._ids(ti, ids)
-            g = self._keys.find(torch.full_like(ids, ti), ids).cpu()
-            out = torch.full((ids.numel(),), int(Tier.INIT), dtype=torch.int64)
-            on_dev = (g >= 0) & (g < self._dev.capacity)
-            on_host = g >= self._host.base
-            found, _ = self._disk.read(ti, ids.cpu().numpy(), self.widths[ti])
-            out[torch.from_numpy(found)] = int(Tier.DISK)
-            out[on_host] = int(Tier.HOST)
-            out[on_dev] = int(Tier.DEVICE)
-            return out
+            return self._res.where(ti, self._ids(ti, ids))
 
     def stats(self, cumulative: bool = False) -> dict:
         """Counters per table and tier, plus store-wide I/O; see :mod:`hiermem.stats`.
@@ -813,10 +804,7 @@ class HierarchicalStore:
             if cumulative:
                 table, io = self.cumulative_counters()
                 c = SimpleNamespace(table=table, io=io)
-            occ = {}
-            for tier in self._res.tiers:
-                kt = tier.keys_t[tier.keys_t >= 0].cpu()
-                occ[tier.tier] = torch.bincount(kt, minlength=len(self.tables)).tolist()
+            occ = self._res.occupancy(len(self.tables))
             out: dict = {}
             for i, s in enumerate(self.tables):
                 per = {}
@@ -845,35 +833,14 @@ class HierarchicalStore:
             return out
 
     def audit(self) -> None:
-        """Check the internal invariants (a debugging aid; O(capacity)).
-
-        Every resident row is in exactly one slot of one tier, the index maps it there,
-        and the index holds nothing else; every host row has a record of its width of
-        its own; pin counts sit on occupied slots only, and each
-        tier's count of pinned slots matches its pins.
+        """Check the internal invariants (a debugging aid; O(capacity);
+        :meth:`Residency.audit <hiermem.residency.Residency.audit>` lists them).
 
         Raises:
             AssertionError: an invariant is broken.
         """
         with self._lock:
-            ts, ks, gs = [], [], []
-            for tier in self._res.tiers:
-                occ = tier.occupied()
-                assert occ.numel() == tier.occupancy, f"{tier.tier.label}: free list and keys disagree"
-                assert not bool(tier.dirty[tier.keys_t < 0].any()), f"{tier.tier.label}: dirty free slot"
-                assert not bool(tier.pins[tier.keys_t < 0].any()), f"{tier.tier.label}: pinned free slot"
-                assert bool((tier.pins >= 0).all()), f"{tier.tier.label}: negative pin count"
-                assert tier.pinned == int((tier.pins > 0).sum()), f"{tier.tier.label}: pinned-slot count is off"
-                tier.policy.check_reservoir(tier.keys_t >= 0)
-                ts.append(tier.keys_t[occ])
-                ks.append(tier.keys_k[occ])
-                gs.append(tier.g(occ))
-            t, k, g = torch.cat(ts), torch.cat(ks), torch.cat(gs)
-            assert self._keys.size == t.numel(), "index size differs from resident rows"
-            assert bool((self._keys.find(t, k) == g).all()), "index does not map a resident row to its slot"
-            pairs = torch.stack((t, k), 1)
-            assert torch.unique(pairs, dim=0).shape[0] == t.numel(), "a row is resident twice"
-            self._host.check()
+            self._res.audit()
 
     # -- checkpoints and whole-table transfers ---------------------------------------------
     def checkpoint(self, dest: str | os.PathLike) -> Path:

@@ -292,6 +292,27 @@ def _check_npy_size(path: Path) -> None:
             raise _bad(path, f"corrupt trace chunk: its header claims {need} bytes the file does not hold")
 
 
+def _read_ids_into(path: Path, out: np.ndarray) -> None:
+    """Read a chunk's ids (an int64 ``.npy`` of exactly ``out.size`` values) straight into
+    ``out`` (a slice of the trace's one array: no per-chunk array, no concatenation)."""
+    try:
+        with open(path, "rb") as f:
+            major, _ = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, fortran, dt = read(f)
+            if dt != np.dtype(np.int64) or len(shape) != 1:
+                raise _bad(path, f"trace chunk must be int64 with 1 dims, got {dt} {shape}")
+            if shape[0] != out.size:
+                raise _bad(path, "chunk disagrees with the manifest (batch or id counts)")
+            got = f.readinto(memoryview(out).cast("B")) if out.size else 0
+            if got != out.nbytes:
+                raise _bad(path, f"corrupt trace chunk: {out.nbytes} bytes of ids expected, the file holds {got}")
+    except FileNotFoundError:
+        raise _bad(path, "trace chunk missing") from None
+    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError) as e:  # numpy parses the header
+        raise _bad(path, f"corrupt trace chunk: {e}") from e
+
+
 def _load_npy(path: Path, dtype, ndim: int) -> np.ndarray:
     try:
         _check_npy_size(path)
@@ -316,19 +337,22 @@ def load_trace(path: str | os.PathLike) -> Trace:
     path = Path(path)
     doc = _read_manifest(path)
     T = len(doc["tables"])
-    ids, lens, tabs = [], [], []
+    lens, tabs = [], []
+    if any(c["accesses"] < 0 for c in doc["chunks"]):
+        raise _bad(path / MANIFEST, "corrupt manifest: a chunk of fewer than 0 accesses")
+    all_ids = np.empty(sum(c["accesses"] for c in doc["chunks"]), dtype=np.int64)
+    at = 0
     for c in doc["chunks"]:
-        a = _load_npy(path / c["ids"], np.int64, 1)
         n = _load_npy(path / c["lens"], np.int64, 2)
-        if n.shape != (c["batches"], T) or a.size != c["accesses"] or int(n.sum()) != a.size \
-                or (n.size and int(n.min()) < 0):
+        if n.shape != (c["batches"], T) or int(n.sum()) != c["accesses"] or (n.size and int(n.min()) < 0):
             raise _bad(path / c["lens"], "chunk disagrees with the manifest (batch or id counts)")
+        a = all_ids[at:at + c["accesses"]]
+        _read_ids_into(path / c["ids"], a)
         if a.size and int(a.min()) < 0:
             raise _bad(path / c["ids"], "negative ids in trace chunk")
-        ids.append(a)
+        at += a.size
         lens.append(n)
         tabs.append(_load_tabs(path, c, n, T))
-    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     all_lens = np.concatenate(lens) if lens else np.zeros((0, T), dtype=np.int64)
     if all_ids.size != doc.get("accesses") or all_lens.shape[0] != doc.get("batches"):
         raise _bad(path / MANIFEST, "totals disagree with the chunks")

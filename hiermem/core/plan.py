@@ -225,8 +225,19 @@ def _evict1(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, s, counters, tco
 
 @leaf
 def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, counters, tcode):
-    """:func:`_evict1` the rows in ``slots[:n]``."""
+    """:func:`_evict1` the rows in ``slots[:n]``.  Victims are the rows used longest ago
+    (LRU) or least: their slot records and index entries are cold, so each is prefetched,
+    the record ``2 * AHEAD`` rows on, the index entry (named by the record's ``rev``)
+    ``AHEAD`` on."""
+    base = tm[BASE]
+    direct = meta[0] == 0
     for j in range(n):
+        if j + 2 * AHEAD < n:
+            s2 = slots[j + 2 * AHEAD]
+            prefetch(kt, s2)
+            prefetch(rev, base + s2)
+        if direct and j + AHEAD < n:
+            prefetch(slot_of, rev[base + slots[j + AHEAD]])
         _evict1(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots[j], counters, tcode)
 
 
@@ -429,6 +440,8 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
             na += 1
     nd = n_vd - n_skip
     for j in range(nd):
+        if j + AHEAD < nd:
+            prefetch(dkt, vd[n_skip + j + AHEAD])  # a victim's record is cold (used longest ago or least)
         s = vd[n_skip + j]
         dn_src[j] = s
         t = dkt[s]

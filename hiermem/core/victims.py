@@ -28,11 +28,12 @@ from __future__ import annotations
 import numpy as np
 from numba.core import types
 
-from .jit import DISABLED, helper, inline, is_warm, kernel, leaf, tiny
+from .jit import DISABLED, helper, inline, is_warm, kernel, leaf, prefetch, tiny
 
 _VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
 _LRU, _LOOKAHEAD = 0, 3  # hiermem.core.policy's codes (which imports this module)
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
+_AHEAD = 16  # run entries ahead whose slot record the walk prefetches
 INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -314,6 +315,8 @@ def _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out):
     nside = np.int64(0)
     while found < n:
         while i < rlen:  # the next current, evictable run entry
+            if i + _AHEAD < rlen:  # victims are the coldest slots: their records are not cached
+                prefetch(keys_t, run_s[i + _AHEAD])
             s = run_s[i]
             if keys_t[s] >= 0 and key[s] == run_k[i]:
                 lead = False

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from numba.core import types
 
-from .jit import DISABLED, is_warm, kernel, tiny
+from .jit import DISABLED, is_warm, kernel, prefetch, tiny
 
+_AHEAD = 16  # keys ahead whose entry a batch lookup prefetches
 EMPTY = -1
 TOMBSTONE = -2
 DIRECT, HASH = 0, 1
@@ -145,7 +146,10 @@ def find(meta, offsets, slot_of, tab, t, k, out):
     The batch form of :func:`find1`, written out: the layout is decided once, and the
     loop body touches only plain arrays (no call per id)."""
     if meta[_KIND] == DIRECT:
-        for i in range(k.size):
+        n = k.size
+        for i in range(n):
+            if i + _AHEAD < n:  # a batch's rows are spread over the table: their entries are not cached
+                prefetch(slot_of, offsets[t[i + _AHEAD]] + k[i + _AHEAD])
             out[i] = slot_of[offsets[t[i]] + k[i]]
         return
     mask = np.uint64(meta[_MASK])

@@ -61,6 +61,8 @@ def _mark_held(pins, mark, slots, base, n, flag):
     of them are unpinned (the evictable ones the batch holds)."""
     held = np.int64(0)
     for j in range(n):
+        if j + AHEAD < n:  # the misses' host records are cold
+            prefetch(pins, slots[j + AHEAD] - base)
         s = slots[j] - base
         mark[s] = flag
         if pins[s] == 0:

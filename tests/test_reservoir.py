@@ -240,3 +240,28 @@ def test_the_victim_search_knows_the_policy_codes():
     from hiermem.core import policy
 
     assert (vk._LRU, vk._LOOKAHEAD) == (policy.LRU, policy.LOOKAHEAD)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scan_is_the_n_smallest_key_slot_pairs(seed):
+    """The scan (the reference every reservoir test compares with) against numpy's
+    lexsort: the ``n`` smallest ``(key, slot)`` of the evictable slots, in order, for any
+    ``n`` (its histogram path takes fewer than half of them), on keys with heavy ties,
+    negative keys, and keys at both ends of int64 (a span that only fits in uint64)."""
+    rng = np.random.default_rng(seed)
+    C = 3000
+    hi = [3, 1000, 1 << 40, 1 << 62, 1 << 62, 1 << 20][seed]
+    keys = rng.integers(-hi, hi, C).astype(np.int64)
+    if seed == 4:  # both extremes of int64 present
+        keys[:2] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max]
+    kt = np.where(rng.random(C) < 0.9, 0, -1).astype(np.int64)
+    pins = np.where(rng.random(C) < 0.05, 1, 0).astype(np.int32)
+    mark = np.where(rng.random(C) < 0.05, 1, 0).astype(np.uint8)
+    ok = np.nonzero((kt >= 0) & (pins == 0) & (mark == 0))[0]
+    ref = ok[np.lexsort((ok, keys[ok]))]
+    rm = vk.new_state(C)
+    for n in (1, 2, 17, ok.size // 3, ok.size // 2 - 1, ok.size // 2 + 1, ok.size, ok.size + 5):
+        out = np.empty(max(n, 1), dtype=np.int64)
+        got = vk.scan_(keys, rm, kt, pins, mark, n, out)
+        assert got == min(n, ok.size)
+        assert out[:got].tolist() == ref[:got].tolist(), n

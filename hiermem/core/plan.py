@@ -357,7 +357,16 @@ def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, k
     next ``n`` free slots: ``slot[pos[j]]`` and ``new_dst[jd + j]`` (global) get them."""
     tm[NFREE] -= n
     base = tm[NFREE]
+    gb = tm[BASE]
+    direct = meta[0] == 0
     for j in range(n):
+        if j + AHEAD < n:  # the row's index entry and its new slot's record and reverse entry
+            i2 = pos[j + AHEAD]
+            d2 = free[base + j + AHEAD]
+            if direct:
+                prefetch(slot_of, offsets[bt[i2]] + bk[i2])
+            prefetch(kt, d2)
+            prefetch(rev, gb + d2)
         d = free[base + j]
         i = pos[j]
         _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, uses, params, rm, hk, hs, d, bt[i],

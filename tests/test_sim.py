@@ -391,3 +391,26 @@ def test_ids_kept_as_rows_or_ranked_give_the_same_numbers(tmp_path):
     far = simulate(write_trace(tmp_path / "f", ["z"], ids + 10**12, lens), SimConfig(100, 400, policy="lfu"))
     assert _counts(near) == _counts(far)
     assert dense_rows(load_trace(tmp_path / "n"), keep_ids=True)[0].tolist() == ids.tolist()
+
+
+def test_a_failing_dedup_thread_raises_on_the_caller_and_stops(tmp_path, monkeypatch):
+    """The two-thread replay: an error on the dedup thread is raised by simulate, and
+    the thread is gone afterwards (none left waiting on a buffer)."""
+    import threading
+
+    from hiermem.core import replay as replay_mod
+
+    ids = (np.random.default_rng(2).zipf(1.2, 6000) % 900).astype(np.int64)
+    path = write_trace(tmp_path / "t", ["z"], ids, np.full((10, 1), 600))
+    real, calls = replay_mod.dedup_batch, []
+
+    def failing(*a):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("dedup failed")
+        return real(*a)
+
+    monkeypatch.setattr(replay_mod, "dedup_batch", failing)
+    with pytest.raises(RuntimeError, match="dedup failed"):
+        simulate(path, SimConfig(100, 300, pipeline=True))
+    assert not any(t.name == "hiermem-replay-dedup" for t in threading.enumerate())

@@ -236,7 +236,7 @@ def replay_pipelined(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row
                 if stop.is_set():
                     return
                 ready.put((int(j), dedup_batch(rows, offsets, table_of_row, row_base, tag, j, clock0, buf), buf))
-        except BaseException as e:  # pragma: no cover - re-raised by the placing thread
+        except BaseException as e:  # re-raised by the placing thread
             ready.put(e)
 
     worker = threading.Thread(target=work, name="hiermem-replay-dedup", daemon=True)
@@ -248,7 +248,7 @@ def replay_pipelined(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row
             scratch, u0 = single, 0
             if k < multi.size and multi[k] == i:
                 item = ready.get()
-                if isinstance(item, BaseException):  # pragma: no cover - a worker failure
+                if isinstance(item, BaseException):  # the worker failed
                     raise item
                 j, u0, scratch = item
                 assert j == i, (j, i)

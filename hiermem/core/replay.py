@@ -4,9 +4,11 @@ The simulator's plain replay (no prefetch): for each batch, the same dedup the s
 does (a stable sort: distinct rows in ``(table, id)`` order, counts, last positions),
 then :func:`~hiermem.core.plan.decide_` and :func:`~hiermem.core.plan.commit_`, the
 store's own placement (inlined), with "written to LMDB" a bit per row instead of I/O.
-No Python runs per batch or per access, and the loop between two sorts is compiled
-without reference counting (:func:`~hiermem.core.jit.leaf`), so a trace of single-id
-batches replays at memory speed.
+No Python runs per batch or per access (:func:`replay`), and the loop between two sorts
+is compiled without reference counting (:func:`~hiermem.core.jit.leaf`), so a trace of
+single-id batches replays at memory speed.  :func:`replay_pipelined` is the same work on
+two threads for traces of large batches: each batch's dedup runs a batch ahead on a
+worker (Python hands each large batch over: tens of microseconds against milliseconds).
 """
 
 from __future__ import annotations

@@ -265,3 +265,28 @@ def test_scan_is_the_n_smallest_key_slot_pairs(seed):
         got = vk.scan_(keys, rm, kt, pins, mark, n, out)
         assert got == min(n, ok.size)
         assert out[:got].tolist() == ref[:got].tolist(), n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_build_keeps_the_r_smallest_and_their_ties(seed):
+    """A reservoir build: the threshold is the r-th smallest occupied key (numpy's
+    partition), and the run is every occupied slot with a key at most that, in
+    ``(key, slot)`` order; on heavy ties, negative keys and both ends of int64."""
+    rng = np.random.default_rng(seed)
+    C = 4000
+    hi = [3, 1000, 1 << 40, 1 << 62, 1 << 62, 1 << 20][seed]
+    keys = rng.integers(-hi, hi, C).astype(np.int64)
+    if seed == 4:
+        keys[:2] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max]
+    kt = np.where(rng.random(C) < 0.8, 0, -1).astype(np.int64)
+    occ = np.nonzero(kt >= 0)[0]
+    for r in (1, 7, occ.size // 5, occ.size - 1, occ.size, occ.size + 3):
+        rm = vk.new_state(C)
+        run_s, run_k = np.empty(C, np.int64), np.empty(C, np.int64)
+        vk.build_(keys, rm, run_s, run_k, kt, r)
+        tau = np.partition(keys[occ], min(r, occ.size) - 1)[min(r, occ.size) - 1]
+        assert rm[vk._TAU] == tau, r
+        want = occ[keys[occ] <= tau]
+        want = want[np.lexsort((want, keys[want]))]
+        n = int(rm[vk._RLEN])
+        assert run_s[:n].tolist() == want.tolist() and run_k[:n].tolist() == keys[want].tolist(), r

@@ -242,32 +242,78 @@ def _sort_pairs(ks, ss, n):
             ss[i] = ts[i]
 
 
+_BUCKET_BITS = 12  # a key histogram has at most 2**12 buckets over the key range
+
+
+@helper
+def _bucket_of_nth(ks, m, kmin, kmax, n):
+    """The histogram bucket holding the ``n``-th smallest (1-based) of keys ``ks[:m]``
+    (all in ``[kmin, kmax]``): returns ``(lo, shift, bucket, below)``, a key ``k``
+    being in bucket ``(uint64(k) - lo) >> shift`` (monotonic in ``k``) and ``below`` the
+    keys in the buckets before it."""
+    lo = np.uint64(kmin)
+    span = np.uint64(kmax) - lo  # exact in uint64 for any two int64 keys
+    shift = np.uint64(0)
+    while (span >> shift) >> np.uint64(_BUCKET_BITS) != np.uint64(0):
+        shift += np.uint64(1)
+    cnt = np.zeros(np.int64(span >> shift) + 1, dtype=np.int64)
+    for i in range(m):
+        cnt[np.int64((np.uint64(ks[i]) - lo) >> shift)] += 1
+    last = np.int64(0)
+    below = np.int64(0)
+    while below + cnt[last] < n:
+        below += cnt[last]
+        last += 1
+    return lo, shift, last, below
+
+
+@helper
+def _collect(key, keys_t, pins, mark, ks, ss):
+    """The occupied slots (unpinned and unmarked ones only, unless ``pins`` is None) in
+    slot order into ``ks``/``ss`` (keys, slots); returns ``(count, smallest key,
+    largest key)``."""
+    j = np.int64(0)
+    kmin, kmax = INT64_MAX, -INT64_MAX - 1
+    for s in range(keys_t.size):
+        if keys_t[s] >= 0 and (pins is None or (pins[s] == 0 and mark[s] == 0)):
+            k = key[s]
+            ks[j] = k
+            ss[j] = s
+            kmin = min(kmin, k)
+            kmax = max(kmax, k)
+            j += 1
+    return j, kmin, kmax
+
+
 @helper
 def build_(key, rm, run_s, run_k, keys_t, r):
-    """A reservoir of the ``r`` occupied slots of smallest key (and all their ties)."""
+    """A reservoir of the ``r`` occupied slots of smallest key (and all their ties).  The
+    threshold (the ``r``-th smallest key) is selected among the keys of one histogram
+    bucket (:func:`_bucket_of_nth`), not all of them, and the entries up to it are kept
+    from the collected keys without a second pass over the tier."""
     occ = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0:
             occ += 1
     ks = np.empty(occ, dtype=np.int64)
     ss = np.empty(occ, dtype=np.int64)
-    j = np.int64(0)
-    for s in range(keys_t.size):
-        if keys_t[s] >= 0:
-            ks[j] = key[s]
-            ss[j] = s
-            j += 1
+    occ, kmin, kmax = _collect(key, keys_t, None, None, ks, ss)
     if r >= occ:  # every occupied slot: keys set later above the largest need no entry
-        tau = np.int64(-INT64_MAX - 1)
-        for i in range(occ):
-            tau = max(tau, ks[i])
+        tau = kmax if occ else np.int64(-INT64_MAX - 1)
     else:
-        tau = _select(ks, occ, r - 1)
-        j = np.int64(0)  # ks was permuted by the selection: take the entries again from the slots
-        for s in range(keys_t.size):
-            if keys_t[s] >= 0 and key[s] <= tau:
-                ks[j] = key[s]
-                ss[j] = s
+        lo, shift, last, below = _bucket_of_nth(ks, occ, kmin, kmax, r)
+        inb = np.empty(occ, dtype=np.int64)
+        nb = np.int64(0)
+        for i in range(occ):
+            if np.int64((np.uint64(ks[i]) - lo) >> shift) == last:
+                inb[nb] = ks[i]
+                nb += 1
+        tau = _select(inb, nb, r - 1 - below)
+        j = np.int64(0)
+        for i in range(occ):  # the entries up to tau, still in slot order
+            if ks[i] <= tau:
+                ks[j] = ks[i]
+                ss[j] = ss[i]
                 j += 1
         occ = j
     _sort_pairs(ks, ss, occ)  # collected with slots ascending: (key, slot) order
@@ -282,50 +328,25 @@ def build_(key, rm, run_s, run_k, keys_t, r):
     rm[_BUILDS] += 1
 
 
-_BUCKET_BITS = 12  # scan_ buckets the key range into at most 2**12 buckets
-
-
 @helper
 def scan_(key, rm, keys_t, pins, mark, n, out):
     """Victims by a pass over the tier; returns how many were found (< n: too few).
 
-    The evictable slots' keys are collected in slot order; when ``n`` is less than
-    half of them, a histogram over the key range (``2**_BUCKET_BITS`` buckets) finds
-    the bucket holding the ``n``-th smallest key, and only the entries up to that bucket
-    are kept and sorted: the same ``n`` victims in the same ``(key, slot)`` order as a
-    sort of all of them (a key's bucket is monotonic in the key), at a third of the
-    sort (a batch evicting a quarter of a 50k-slot device tier: 1.75 -> ~0.6 Mcycles)."""
+    The evictable slots' keys are collected in slot order; when ``n`` is less than half
+    of them, only the entries up to the histogram bucket of the ``n``-th smallest key
+    (:func:`_bucket_of_nth`) are kept and sorted: the same ``n`` victims in the same
+    ``(key, slot)`` order as a sort of all of them, at a third of the sort (a batch
+    evicting a quarter of a 50k-slot device tier: 1.75 -> ~0.6 Mcycles)."""
     m = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
             m += 1
     ks = np.empty(m, dtype=np.int64)
     ss = np.empty(m, dtype=np.int64)
-    j = np.int64(0)
-    kmin, kmax = INT64_MAX, -INT64_MAX - 1
-    for s in range(keys_t.size):
-        if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
-            k = key[s]
-            ks[j] = k
-            ss[j] = s
-            kmin = min(kmin, k)
-            kmax = max(kmax, k)
-            j += 1
+    m, kmin, kmax = _collect(key, keys_t, pins, mark, ks, ss)
     got = min(n, m)
     if 2 * n < m:
-        lo = np.uint64(kmin)
-        span = np.uint64(kmax) - lo  # exact in uint64 for any two int64 keys
-        shift = np.uint64(0)
-        while (span >> shift) >> np.uint64(_BUCKET_BITS) != np.uint64(0):
-            shift += np.uint64(1)
-        cnt = np.zeros(np.int64(span >> shift) + 1, dtype=np.int64)
-        for i in range(m):
-            cnt[np.int64((np.uint64(ks[i]) - lo) >> shift)] += 1
-        last = np.int64(0)  # the bucket of the n-th smallest key
-        acc = cnt[0]
-        while acc < n:
-            last += 1
-            acc += cnt[last]
+        lo, shift, last, _ = _bucket_of_nth(ks, m, kmin, kmax, n)
         j = np.int64(0)
         for i in range(m):  # the entries up to that bucket, still in slot order
             if np.int64((np.uint64(ks[i]) - lo) >> shift) <= last:

@@ -290,3 +290,18 @@ def test_build_keeps_the_r_smallest_and_their_ties(seed):
         want = want[np.lexsort((want, keys[want]))]
         n = int(rm[vk._RLEN])
         assert run_s[:n].tolist() == want.tolist() and run_k[:n].tolist() == keys[want].tolist(), r
+
+
+def test_nth_smallest_on_skewed_keys():
+    """The threshold search narrows by histograms: LFU-shaped keys (most in one count,
+    the clock below it), clustered keys and a few huge outliers need several rounds."""
+    rng = np.random.default_rng(11)
+    n = 30_000
+    lfu = (np.minimum(rng.zipf(1.5, n), 4000).astype(np.int64) << 40) | rng.permutation(10 * n)[:n]
+    clustered = np.concatenate([rng.integers(0, 50, n - 3), [1 << 61, -(1 << 61), 1 << 62]]).astype(np.int64)
+    for keys in (lfu, clustered, np.full(n, 7, dtype=np.int64)):
+        kept = keys.copy()
+        for r in (1, 2, 65, n // 8, n // 2, n - 1, n):
+            got = vk._nth_smallest(keys, n, int(keys.min()), int(keys.max()), r)
+            assert got == np.partition(keys, r - 1)[r - 1], r
+        assert np.array_equal(keys, kept), "the keys were permuted"

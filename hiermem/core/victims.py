@@ -246,25 +246,46 @@ _BUCKET_BITS = 12  # a key histogram has at most 2**12 buckets over the key rang
 
 
 @helper
-def _bucket_of_nth(ks, m, kmin, kmax, n):
-    """The histogram bucket holding the ``n``-th smallest (1-based) of keys ``ks[:m]``
-    (all in ``[kmin, kmax]``): returns ``(lo, shift, bucket, below)``, a key ``k``
-    being in bucket ``(uint64(k) - lo) >> shift`` (monotonic in ``k``) and ``below`` the
-    keys in the buckets before it."""
-    lo = np.uint64(kmin)
-    span = np.uint64(kmax) - lo  # exact in uint64 for any two int64 keys
-    shift = np.uint64(0)
-    while (span >> shift) >> np.uint64(_BUCKET_BITS) != np.uint64(0):
-        shift += np.uint64(1)
-    cnt = np.zeros(np.int64(span >> shift) + 1, dtype=np.int64)
-    for i in range(m):
-        cnt[np.int64((np.uint64(ks[i]) - lo) >> shift)] += 1
-    last = np.int64(0)
-    below = np.int64(0)
-    while below + cnt[last] < n:
-        below += cnt[last]
-        last += 1
-    return lo, shift, last, below
+def _nth_smallest(ks, m, kmin, kmax, n):
+    """The ``n``-th smallest (1-based) of keys ``ks[:m]`` (all in ``[kmin, kmax]``;
+    ``ks`` is left as it is).  A histogram of at most ``2**_BUCKET_BITS`` buckets over the
+    key range finds the bucket holding it; that bucket's keys are the next round's, over
+    their own range, until one key is left or few enough for a quickselect.  Each round
+    narrows the range 2**11-fold or more, so skewed keys (LFU's: most in one count)
+    cost a round more, never a pass per key; LRU's clocks are usually done in one."""
+    buf = np.empty(m, dtype=np.int64)
+    cur = ks
+    lo_k, hi_k = kmin, kmax
+    while True:
+        if lo_k == hi_k:
+            return lo_k
+        if m <= 64:
+            if cur is ks:
+                buf[:m] = ks[:m]
+            return _select(buf, m, n - 1)
+        lo = np.uint64(np.int64(lo_k))  # (through int64: interpreted, a negative Python int would not convert)
+        span = np.uint64(np.int64(hi_k)) - lo  # exact in uint64 for any two int64 keys
+        shift = np.uint64(0)
+        while (span >> shift) >> np.uint64(_BUCKET_BITS) != np.uint64(0):
+            shift += np.uint64(1)
+        cnt = np.zeros(np.int64(span >> shift) + 1, dtype=np.int64)
+        for i in range(m):
+            cnt[np.int64((np.uint64(cur[i]) - lo) >> shift)] += 1
+        last = np.int64(0)
+        while cnt[last] < n:
+            n -= cnt[last]
+            last += 1
+        j = np.int64(0)
+        lo_k, hi_k = INT64_MAX, -INT64_MAX - 1
+        for i in range(m):  # in place when cur is buf: j never passes i
+            k = cur[i]
+            if np.int64((np.uint64(k) - lo) >> shift) == last:
+                buf[j] = k
+                lo_k = min(lo_k, k)
+                hi_k = max(hi_k, k)
+                j += 1
+        cur = buf
+        m = j
 
 
 @helper
@@ -287,10 +308,9 @@ def _collect(key, keys_t, pins, mark, ks, ss):
 
 @helper
 def build_(key, rm, run_s, run_k, keys_t, r):
-    """A reservoir of the ``r`` occupied slots of smallest key (and all their ties).  The
-    threshold (the ``r``-th smallest key) is selected among the keys of one histogram
-    bucket (:func:`_bucket_of_nth`), not all of them, and the entries up to it are kept
-    from the collected keys without a second pass over the tier."""
+    """A reservoir of the ``r`` occupied slots of smallest key (and all their ties): the
+    threshold from :func:`_nth_smallest`, the entries up to it kept from the collected
+    keys (no second pass over the tier), then sorted."""
     occ = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0:
@@ -301,14 +321,7 @@ def build_(key, rm, run_s, run_k, keys_t, r):
     if r >= occ:  # every occupied slot: keys set later above the largest need no entry
         tau = kmax if occ else np.int64(-INT64_MAX - 1)
     else:
-        lo, shift, last, below = _bucket_of_nth(ks, occ, kmin, kmax, r)
-        inb = np.empty(occ, dtype=np.int64)
-        nb = np.int64(0)
-        for i in range(occ):
-            if np.int64((np.uint64(ks[i]) - lo) >> shift) == last:
-                inb[nb] = ks[i]
-                nb += 1
-        tau = _select(inb, nb, r - 1 - below)
+        tau = _nth_smallest(ks, occ, kmin, kmax, r)
         j = np.int64(0)
         for i in range(occ):  # the entries up to tau, still in slot order
             if ks[i] <= tau:
@@ -333,10 +346,10 @@ def scan_(key, rm, keys_t, pins, mark, n, out):
     """Victims by a pass over the tier; returns how many were found (< n: too few).
 
     The evictable slots' keys are collected in slot order; when ``n`` is less than half
-    of them, only the entries up to the histogram bucket of the ``n``-th smallest key
-    (:func:`_bucket_of_nth`) are kept and sorted: the same ``n`` victims in the same
-    ``(key, slot)`` order as a sort of all of them, at a third of the sort (a batch
-    evicting a quarter of a 50k-slot device tier: 1.75 -> ~0.6 Mcycles)."""
+    of them, only the entries up to the ``n``-th smallest key (:func:`_nth_smallest`) are
+    kept and sorted: the same ``n`` victims in the same ``(key, slot)`` order as a sort
+    of all of them, for a third of the sort (a batch evicting a quarter of a 50k-slot
+    device tier: 1.75 -> ~0.6 Mcycles)."""
     m = np.int64(0)
     for s in range(keys_t.size):
         if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
@@ -346,10 +359,10 @@ def scan_(key, rm, keys_t, pins, mark, n, out):
     m, kmin, kmax = _collect(key, keys_t, pins, mark, ks, ss)
     got = min(n, m)
     if 2 * n < m:
-        lo, shift, last, _ = _bucket_of_nth(ks, m, kmin, kmax, n)
+        tau = _nth_smallest(ks, m, kmin, kmax, n)
         j = np.int64(0)
-        for i in range(m):  # the entries up to that bucket, still in slot order
-            if np.int64((np.uint64(ks[i]) - lo) >> shift) <= last:
+        for i in range(m):  # the entries up to the n-th smallest key (ties too), still in slot order
+            if ks[i] <= tau:
                 ks[j] = ks[i]
                 ss[j] = ss[i]
                 j += 1

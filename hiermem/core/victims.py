@@ -289,6 +289,29 @@ def _nth_smallest(ks, m, kmin, kmax, n):
 
 
 @helper
+def _count(keys_t, pins, mark):
+    """Occupied slots (unpinned and unmarked ones only, unless ``pins`` is None)."""
+    m = np.int64(0)
+    for s in range(keys_t.size):
+        if keys_t[s] >= 0 and (pins is None or (pins[s] == 0 and mark[s] == 0)):
+            m += 1
+    return m
+
+
+@helper
+def _keep_upto(ks, ss, m, tau):
+    """Keep the entries of ``ks[:m]``/``ss[:m]`` whose key is at most ``tau``, in their
+    order, at the front; returns how many."""
+    j = np.int64(0)
+    for i in range(m):
+        if ks[i] <= tau:
+            ks[j] = ks[i]
+            ss[j] = ss[i]
+            j += 1
+    return j
+
+
+@helper
 def _collect(key, keys_t, pins, mark, ks, ss):
     """The occupied slots (unpinned and unmarked ones only, unless ``pins`` is None) in
     slot order into ``ks``/``ss`` (keys, slots); returns ``(count, smallest key,
@@ -311,10 +334,7 @@ def build_(key, rm, run_s, run_k, keys_t, r):
     """A reservoir of the ``r`` occupied slots of smallest key (and all their ties): the
     threshold from :func:`_nth_smallest`, the entries up to it kept from the collected
     keys (no second pass over the tier), then sorted."""
-    occ = np.int64(0)
-    for s in range(keys_t.size):
-        if keys_t[s] >= 0:
-            occ += 1
+    occ = _count(keys_t, None, None)
     ks = np.empty(occ, dtype=np.int64)
     ss = np.empty(occ, dtype=np.int64)
     occ, kmin, kmax = _collect(key, keys_t, None, None, ks, ss)
@@ -322,13 +342,7 @@ def build_(key, rm, run_s, run_k, keys_t, r):
         tau = kmax if occ else np.int64(-INT64_MAX - 1)
     else:
         tau = _nth_smallest(ks, occ, kmin, kmax, r)
-        j = np.int64(0)
-        for i in range(occ):  # the entries up to tau, still in slot order
-            if ks[i] <= tau:
-                ks[j] = ks[i]
-                ss[j] = ss[i]
-                j += 1
-        occ = j
+        occ = _keep_upto(ks, ss, occ, tau)
     _sort_pairs(ks, ss, occ)  # collected with slots ascending: (key, slot) order
     for i in range(occ):
         run_k[i] = ks[i]
@@ -350,23 +364,13 @@ def scan_(key, rm, keys_t, pins, mark, n, out):
     kept and sorted: the same ``n`` victims in the same ``(key, slot)`` order as a sort
     of all of them, for a third of the sort (a batch evicting a quarter of a 50k-slot
     device tier: 1.75 -> ~0.6 Mcycles)."""
-    m = np.int64(0)
-    for s in range(keys_t.size):
-        if keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
-            m += 1
+    m = _count(keys_t, pins, mark)
     ks = np.empty(m, dtype=np.int64)
     ss = np.empty(m, dtype=np.int64)
     m, kmin, kmax = _collect(key, keys_t, pins, mark, ks, ss)
     got = min(n, m)
-    if 2 * n < m:
-        tau = _nth_smallest(ks, m, kmin, kmax, n)
-        j = np.int64(0)
-        for i in range(m):  # the entries up to the n-th smallest key (ties too), still in slot order
-            if ks[i] <= tau:
-                ks[j] = ks[i]
-                ss[j] = ss[i]
-                j += 1
-        m = j
+    if 2 * n < m:  # the entries up to the n-th smallest key (its ties too)
+        m = _keep_upto(ks, ss, m, _nth_smallest(ks, m, kmin, kmax, n))
     _sort_pairs(ks, ss, m)  # collected with slots ascending: (key, slot) order
     for i in range(got):
         out[i] = ss[i]

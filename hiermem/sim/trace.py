@@ -34,6 +34,7 @@ import json
 import os
 import threading
 import tokenize
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -280,13 +281,30 @@ def _read_manifest(path: Path) -> dict:
     return doc
 
 
+def _npy_header(f) -> tuple[tuple, np.dtype]:
+    """The shape and dtype of the ``.npy`` open in ``f`` (left at the start of its data)."""
+    major, _ = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, _, dt = read(f)
+    return shape, dt
+
+
+@contextmanager
+def _chunk_errors(path: Path):
+    """A chunk file missing or unreadable (numpy parses the header) as TraceFormatError."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise _bad(path, "trace chunk missing") from None
+    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError) as e:
+        raise _bad(path, f"corrupt trace chunk: {e}") from e
+
+
 def _check_npy_size(path: Path) -> None:
     """Refuse a .npy whose header claims more data than the file holds (np.load would
     first try to allocate it: a corrupt shape of 10**12 ids is a MemoryError)."""
     with open(path, "rb") as f:
-        major, _ = np.lib.format.read_magic(f)
-        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-        shape, _, dt = read(f)
+        shape, dt = _npy_header(f)
         need = int(np.prod(shape, dtype=object)) * dt.itemsize
         if need > os.fstat(f.fileno()).st_size - f.tell():
             raise _bad(path, f"corrupt trace chunk: its header claims {need} bytes the file does not hold")
@@ -295,32 +313,21 @@ def _check_npy_size(path: Path) -> None:
 def _read_ids_into(path: Path, out: np.ndarray) -> None:
     """Read a chunk's ids (an int64 ``.npy`` of exactly ``out.size`` values) straight into
     ``out`` (a slice of the trace's one array: no per-chunk array, no concatenation)."""
-    try:
-        with open(path, "rb") as f:
-            major, _ = np.lib.format.read_magic(f)
-            read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-            shape, fortran, dt = read(f)
-            if dt != np.dtype(np.int64) or len(shape) != 1:
-                raise _bad(path, f"trace chunk must be int64 with 1 dims, got {dt} {shape}")
-            if shape[0] != out.size:
-                raise _bad(path, "chunk disagrees with the manifest (batch or id counts)")
-            got = f.readinto(memoryview(out).cast("B")) if out.size else 0
-            if got != out.nbytes:
-                raise _bad(path, f"corrupt trace chunk: {out.nbytes} bytes of ids expected, the file holds {got}")
-    except FileNotFoundError:
-        raise _bad(path, "trace chunk missing") from None
-    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError) as e:  # numpy parses the header
-        raise _bad(path, f"corrupt trace chunk: {e}") from e
+    with _chunk_errors(path), open(path, "rb") as f:
+        shape, dt = _npy_header(f)
+        if dt != np.dtype(np.int64) or len(shape) != 1:
+            raise _bad(path, f"trace chunk must be int64 with 1 dims, got {dt} {shape}")
+        if shape[0] != out.size:
+            raise _bad(path, "chunk disagrees with the manifest (batch or id counts)")
+        got = f.readinto(memoryview(out).cast("B")) if out.size else 0
+        if got != out.nbytes:
+            raise _bad(path, f"corrupt trace chunk: {out.nbytes} bytes of ids expected, the file holds {got}")
 
 
 def _load_npy(path: Path, dtype, ndim: int) -> np.ndarray:
-    try:
+    with _chunk_errors(path):
         _check_npy_size(path)
         a = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise _bad(path, "trace chunk missing") from None
-    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError) as e:  # numpy parses the header
-        raise _bad(path, f"corrupt trace chunk: {e}") from e
     if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim:
         raise _bad(path, f"trace chunk must be {np.dtype(dtype)} with {ndim} dims, got "
                          f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")

@@ -97,13 +97,15 @@ class Residency:
         return torch.from_numpy(rec), torch.from_numpy(found)
 
     def write_down(self, rows: Rows, meta: bool = True, sync: bool = False) -> int:
-        """Write rows (cpu) to LMDB in one transaction (with the metadata)."""
+        """Write rows (cpu) to LMDB in one transaction (with the metadata); without
+        ``sync`` an eviction write-back, which the disk tier may combine with others or
+        queue for its writer thread (:meth:`~hiermem.tiers.DiskTier.enqueue_rows`)."""
         k, rec = rows.k.numpy(), rows.rec.numpy()
-        groups = [(ti, k[m], rec[m, :self.widths[ti]]) for ti, m in by_table(rows.t.numpy())]
         if sync:
+            groups = [(ti, k[m], rec[m, :self.widths[ti]]) for ti, m in by_table(rows.t.numpy())]
             nbytes = self.disk.write(groups, meta=self._meta() if meta else None, sync=True)
-        else:  # an eviction write-back: queued for the writer thread with write_behind
-            nbytes = self.disk.enqueue(groups, meta=self._meta() if meta else None)
+        else:
+            nbytes = self.disk.enqueue_rows(rows.t.numpy(), k, rec, self.widths, self._meta if meta else None)
         self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)
         return nbytes
 

@@ -92,7 +92,8 @@ class HierarchicalStore:
             self.write_behind, self.write_behind_reason = resolve_write_behind(config.write_behind, self.device)
             self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
                                   write_behind=self.write_behind, io_process=config.io_process,
-                                  writemap=config.writemap, tables=len(tables), migrate=True)
+                                  writemap=config.writemap, tables=len(tables), migrate=True,
+                                  combine=0 if config.sync_writebacks else config.write_combine)
             try:
                 meta = self._disk.read_meta()
                 meta_counters = (meta or {}).get("counters")
@@ -136,7 +137,7 @@ class HierarchicalStore:
         ``overrides`` replace fields of the saved :class:`StoreConfig` that are not part
         of the layout (``device``, ``device_rows``, ``host_rows``, ``policy``,
         ``prefetch_depth``, ``map_size``, ``sync_writebacks``, ``write_behind``,
-        ``io_process``, ``writemap``, ``trace_path``).  A policy file given here applies
+        ``write_combine``, ``io_process``, ``writemap``, ``trace_path``).  A policy file given here applies
         its tier sizes and depth over the saved ones (an explicit override still wins).
 
         ``readonly=True`` opens a :class:`~hiermem.readonly.ReadOnlyStore` instead: any
@@ -823,7 +824,7 @@ class HierarchicalStore:
                 "disk_rows": self._disk.count() if not self._closed else None,
                 "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
                 "disk_read_ahead_rows": self._disk.ahead_rows, "disk_read_ahead_hits": self._disk.ahead_hits,
-                "disk_write_queue_rows": self._disk.queued,
+                "disk_write_queue_rows": self._disk.queued, "disk_combined_rows": self._disk.combined,
                 "disk_writemap": self._disk.writemap, "disk_io_processes": self._disk.io_processes,
                 "disk_io_failures": self._disk.io_failures,
                 "write_behind": self.write_behind, "write_behind_reason": self.write_behind_reason,

@@ -17,7 +17,7 @@ from .types import StoreConfig, TableSpec
 
 #: the fields of a saved :class:`StoreConfig` that ``HierarchicalStore.open`` may replace
 OVERRIDABLE = frozenset({"device", "device_rows", "host_rows", "policy", "prefetch_depth", "map_size",
-                         "sync_writebacks", "write_behind", "io_process", "writemap", "trace_path"})
+                         "sync_writebacks", "write_behind", "write_combine", "io_process", "writemap", "trace_path"})
 
 
 def saved_config(path: str | os.PathLike, overrides: dict) -> tuple[list[TableSpec], StoreConfig]:

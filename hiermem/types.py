@@ -123,6 +123,14 @@ class StoreConfig:
             core free beside torch's intra-op threads; :mod:`hiermem.overlap`), off
             where it would only take a core from the step; the store's
             ``write_behind``/``write_behind_reason`` say what was chosen.
+        write_combine: eviction write-backs (without ``write_behind``) are held in memory
+            until this many rows are, then committed in one LMDB transaction, or with the
+            next flush, checkpoint or ``close`` (:mod:`hiermem.tiers.combine`): an LMDB
+            commit costs as much as a few hundred rows, so stores that evict a few
+            hundred rows a step spent more on commits than on rows.  Reads see the rows
+            held.  A crash loses what they hold as it loses any write-back not yet
+            committed (rows keep their flushed value or a later one written down).
+            0: commit every write-back; ``sync_writebacks`` implies 0.
         io_process: do the background LMDB I/O (read-ahead, write-behind) in a child
             process (lmdb and numpy only) instead of on the background thread itself.
             py-lmdb holds the GIL while it works, so in-thread background I/O stalls
@@ -153,6 +161,7 @@ class StoreConfig:
     map_size: int = 1 << 28
     sync_writebacks: bool = False
     write_behind: Union[bool, str] = False
+    write_combine: int = 4096
     io_process: bool = True
     writemap: Optional[bool] = None
     trace_path: Optional[Union[str, os.PathLike]] = None
@@ -183,6 +192,9 @@ class StoreConfig:
         for name in ("sync_writebacks", "io_process"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidTypeError(f"{name} must be a bool")
+        c = self.write_combine
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise InvalidArgumentError(f"write_combine must be an int >= 0 (rows), got {c!r}")
         if not isinstance(self.write_behind, bool) and self.write_behind != "auto":
             raise InvalidTypeError(f"write_behind must be a bool or 'auto', got {self.write_behind!r}")
         if self.writemap is not None and not isinstance(self.writemap, bool):

@@ -24,8 +24,13 @@ Steady state: untimed warm-up until the device hit rate of a 20-step window move
 < 0.5 points from the window before and (disk configurations) the host tier has started
 evicting to LMDB (capped; reported), then ``--steps`` timed steps in
 blocks of 5 alternating with the baseline (nn.EmbeddingBag(sparse=True) + SGD, same
-model, same batches), so the machine's noise hits both; a ratio is the median of the
-blocks' ratios.  A hiermem block ends by waiting for the background work it started.
+model, same batches), so the machine's noise hits both; a ratio is the baseline's time
+over hiermem's, summed over the blocks (``over_baseline``; the median of the blocks'
+ratios is ``over_baseline_median``).  A hiermem block ends by waiting for the background
+work it started.  Where the disk tier combines write-backs (``StoreConfig.write_combine``,
+the default) one step in many commits them all, so the window holds whole cycles: it
+starts just after a commit and ends with one, after at least ``--steps`` steps and
+``MIN_COMMITS`` commits (``commits_timed``; capped at ``WINDOW_CAP`` x ``--steps``).
 
 Prefetch over no prefetch and write-behind over synchronous write-backs are measured as
 pairs (``paired``): both configurations warm up, then train the same batches in
@@ -97,6 +102,8 @@ GPU_NVME_BPS = 7e9  # one Gen4/5 NVMe drive, sequential read (also used for writ
 WINDOW, TOLERANCE, MIN_WARMUP = 20, 0.005, 40
 DEPTH = 2
 BLOCK = 5  # timed steps per block, alternating hiermem and baseline
+MIN_COMMITS = 2  # combined write-back commits a timed window holds at least (whole cycles)
+WINDOW_CAP = 6  # ... within this many times --steps
 PAIR_STEPS = 4  # a pair (paired()) times this many x --steps: 4x the blocks of a configuration, half its noise
 
 
@@ -230,34 +237,64 @@ def settle(store, pipe) -> None:
     sync()
 
 
+def commits(store) -> int:
+    """LMDB write transactions the store's disk tier has committed so far."""
+    return store.disk.durations()[1].count
+
+
+def combines(store) -> bool:
+    """Whether the disk tier holds write-backs for a later, combined commit (and the
+    store has written rows down: configurations that never write hold nothing)."""
+    return store.disk.combine is not None and int(store.counters.io[IO.BYTES_HOST_TO_DISK]) > 0
+
+
+def to_commit(tr: Trainer, it, store, cap: int) -> int:
+    """Untimed steps until one commits the combined write-backs (a timed window then
+    starts with a whole cycle); the steps taken."""
+    c0, n = commits(store), 0
+    while combines(store) and commits(store) == c0 and n < cap:
+        tr.step(next(it))
+        n += 1
+    return n
+
+
 def timed_blocks(tr: Trainer, it, store, pipe, base: Trainer, batches: list, start: int, steps: int,
-                 t_first: float | None = None) -> tuple[float, float, float, float]:
-    """Seconds of ``steps`` hiermem steps and of the baseline over the same batches, in
-    alternating blocks of ``BLOCK`` (the machine's noise hits both alike).  Each hiermem
-    block ends by waiting for its background work, so none of it runs during a baseline
-    block; ``t_first``: when the first block's clock started (cold start: before the
-    pipeline was built).  Returns (hiermem s, baseline s, s of those waits, the median of
-    the blocks' hiermem-over-baseline rates: robust to a burst of load in one block)."""
+                 t_first: float | None = None) -> tuple[float, float, float, float, int, int]:
+    """Seconds of at least ``steps`` hiermem steps and of the baseline over the same
+    batches, in alternating blocks of ``BLOCK`` (the machine's noise hits both alike).
+    Each hiermem block ends by waiting for its background work, so none of it runs during
+    a baseline block; ``t_first``: when the first block's clock started (cold start:
+    before the pipeline was built).  With combined write-backs the window goes on until
+    ``MIN_COMMITS`` commits, and ends with a step that committed.  Returns (hiermem s,
+    baseline s, s of those waits, the median of the blocks' hiermem-over-baseline rates,
+    steps timed, commits in them)."""
     for b in batches[max(0, start - 3):start] or batches[-3:]:
         base.step(b)
     sync()
     hs = bs = ws = 0.0
     ratios = []
-    for i in range(start, start + steps, BLOCK):
+    cycles = combines(store) and t_first is None
+    c0, i, finished = commits(store), start, False
+    while not finished:
         t0 = t_first if t_first is not None and i == start else time.perf_counter()
-        for _ in range(min(BLOCK, start + steps - i)):
+        n = 0
+        while n < BLOCK and not finished:
+            before = commits(store)
             tr.step(next(it))
+            n, i = n + 1, i + 1
+            finished = i - start >= steps and (not cycles or i - start >= WINDOW_CAP * steps or (
+                commits(store) - c0 >= MIN_COMMITS and commits(store) > before))
         tw = time.perf_counter()
         settle(store, pipe)
         t1 = time.perf_counter()
         ws += t1 - tw
-        for b in batches[i:min(i + BLOCK, start + steps)]:
+        for b in batches[i - n:i]:
             base.step(b)
         sync()
         t2 = time.perf_counter()
         hs, bs = hs + t1 - t0, bs + t2 - t1
         ratios.append((t2 - t1) / (t1 - t0))
-    return hs, bs, ws, float(np.median(ratios))
+    return hs, bs, ws, float(np.median(ratios)), i - start, commits(store) - c0
 
 
 def snapshot(store, pipe) -> dict:
@@ -347,21 +384,26 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
     try:
         n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap, fill_host=not preload)
         if not cold:
+            n += to_commit(tr, it, store, a.warmup_cap)  # the window starts with a whole commit cycle
             settle(store, pipe)
             s0 = snapshot(store, pipe)
-        hs, bs, ws, med = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n, a.steps, t_pipe if cold else None)
-        res = figures(s0, snapshot(store, pipe), a.steps, a.batch, wb_on, ctx["rate"], hs, ws, background == "inline")
+        combines_rows = store.disk.combine.limit if combines(store) else 0
+        hs, bs, ws, med, steps, ncommit = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n, a.steps,
+                                                       t_pipe if cold else None)
+        res = figures(s0, snapshot(store, pipe), steps, a.batch, wb_on, ctx["rate"], hs, ws, background == "inline")
     finally:
         if pipe is not None:
             pipe.close()
         store.close()
         shutil.rmtree(path, ignore_errors=True)
-    base = a.steps * a.batch / bs
-    res.update(baseline_samples_per_s=base, over_baseline=med, over_baseline_sums=res["samples_per_s"] / base,
-               warmup_steps=n, settled=settled, device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb_on,
+    base = steps * a.batch / bs
+    res.update(baseline_samples_per_s=base, over_baseline=res["samples_per_s"] / base, over_baseline_median=med,
+               timed_steps=steps, commits_timed=ncommit, write_combine=combines_rows, warmup_steps=n, settled=settled,
+               device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb_on,
                write_behind_asked=wb, write_behind_reason=wb_why, prefetch_background=background)
+    cyc = f"  {steps} steps, {ncommit} commits" if combines_rows and not cold else ""
     print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
-          f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
+          f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s){cyc}", file=sys.stderr)
     return res
 
 
@@ -438,7 +480,7 @@ def template(wl: Workload, plain: PlainEmbeddingBags, tmp: Path) -> Path:
 
 def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn) -> tuple[dict, float, dict]:
     """Every configuration of one workload; ({config name: figures}, W, {pair: paired ratio})."""
-    n_batches = a.warmup_cap + PAIR_STEPS * a.steps + DEPTH + 8
+    n_batches = 2 * a.warmup_cap + max(PAIR_STEPS, WINDOW_CAP) * a.steps + DEPTH + 8  # warm-up, alignment, window
     batches = make_batches(wl, n_batches, a.batch)
     W = working_set(wl, batches)
     total = sum(t.num_rows for t in wl.tables)
@@ -618,9 +660,12 @@ def summary(res: dict, Ws: dict, proj: dict, png: Path, a, pairs: dict | None = 
             "warmup_steps_max": max(c["warmup_steps"] for c in res.values()),
             "warmup_capped": [k for k, c in res.items() if not c["settled"]],
             "working_set_rows": {k: round(v, 1) for k, v in Ws.items()},
-            "quick": a.quick, "device": a.device, "batch": a.batch, "timed_steps": a.steps, "png": str(png),
+            "quick": a.quick, "device": a.device, "batch": a.batch, "timed_steps": a.steps,
+            "timed_steps_max": max(c["timed_steps"] for c in res.values()), "png": str(png),
             "configs": {k: {"over_baseline": round(c["over_baseline"], 3),
-                            "over_baseline_sums": round(c["over_baseline_sums"], 3),
+                            "over_baseline_median": round(c["over_baseline_median"], 3),
+                            "timed_steps": c["timed_steps"], "commits_timed": c["commits_timed"],
+                            "write_combine": c["write_combine"],
                             "samples_per_s": round(c["samples_per_s"], 1),
                             "baseline_samples_per_s": round(c["baseline_samples_per_s"], 1),
                             "warmup_steps": c["warmup_steps"], "hit_rates": c["hit_rates"],

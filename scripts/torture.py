@@ -119,6 +119,7 @@ OPTIMIZERS = {  # Adagrad by default: per-element state, so weights and state co
 _OPTIMIZER = ["adagrad"]  # set by --optimizer, in the harness and (passed on) in the child
 _WRITE_BEHIND = [False]  # set by --write-behind, likewise
 _IO_PROCESS = [True]  # cleared by --in-thread-io, likewise
+_WRITE_COMBINE = [None]  # set by --write-combine (None: the store's default), likewise
 
 
 def optimizer() -> hm.Optimizer:
@@ -476,8 +477,9 @@ def child(args: argparse.Namespace) -> int:
     """Train on the store until killed: the ``--child`` entry point."""
     torch.set_num_threads(1)
     ref = Reference.load(Path(args.baseline))
+    extra = {} if args.write_combine is None else {"write_combine": args.write_combine}
     store = hm.HierarchicalStore.open(args.store, policy=args.policy, write_behind=args.write_behind,
-                                      io_process=not args.in_thread_io)
+                                      io_process=not args.in_thread_io, **extra)
     if store._steps != ref.steps:
         print(f"MISMATCH steps {store._steps} != {ref.steps}", flush=True)
         return 3
@@ -714,7 +716,8 @@ def one_round(work: Path, i: int, mode: str, rng: random.Random, base: Reference
            "--store", str(work / "store"), "--ckdir", str(work / "ck"), "--round", str(i),
            "--log", str(log_path), "--baseline", str(base_path), "--seed", str(rng.randrange(2**31)),
            "--mode", mode, "--nth", str(nth), "--policy", policy] + (["--write-behind"] if _WRITE_BEHIND[0] else []) \
-        + ([] if _IO_PROCESS[0] else ["--in-thread-io"])
+        + ([] if _IO_PROCESS[0] else ["--in-thread-io"]) \
+        + ([] if _WRITE_COMBINE[0] is None else ["--write-combine", str(_WRITE_COMBINE[0])])
     with open(work / "child.stderr", "w+") as err:
         readers = start_readers(work, i, rng) if mode == "readers" else []
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
@@ -887,12 +890,13 @@ def verify_checkpoints(work: Path, i: int, c: Check) -> None:
 
 def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODES,
             verbose: bool = True, opt: str = "adagrad", write_behind: bool = False,
-            io_process: bool = True) -> list[Round]:
+            io_process: bool = True, write_combine: int | None = None) -> list[Round]:
     """Run ``kills`` rounds on a fresh store under ``work`` (optimizer ``opt``, a key of
     :data:`OPTIMIZERS`; ``write_behind`` for the child's store); returns each round's result."""
     _OPTIMIZER[0] = opt
     _WRITE_BEHIND[0] = write_behind
     _IO_PROCESS[0] = io_process
+    _WRITE_COMBINE[0] = write_combine
     rng = random.Random(seed)
     make_store(work / "store").close()
     base = Reference.initial()
@@ -947,6 +951,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the child's store does its background LMDB I/O on its threads (io_process=False)")
     p.add_argument("--write-behind", action="store_true",
                    help="the child's store commits eviction write-backs on its writer thread")
+    p.add_argument("--write-combine", type=int, default=None, metavar="ROWS",
+                   help="the child's store holds write-backs until ROWS records (0: commits each; "
+                        "default: the store's default)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
     for a in ("--store", "--log", "--baseline", "--mode", "--policy", "--ckdir", "--round"):
@@ -956,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     _WRITE_BEHIND[0] = a.write_behind
     _IO_PROCESS[0] = not a.in_thread_io
+    _WRITE_COMBINE[0] = a.write_combine
     if a.child:
         _OPTIMIZER[0] = a.optimizer
         return child(a)
@@ -966,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         rounds = torture(a.kills, work, a.seed, opt=a.optimizer, write_behind=a.write_behind,
-                         io_process=not a.in_thread_io)
+                         io_process=not a.in_thread_io, write_combine=a.write_combine)
     finally:
         if not a.keep and a.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -129,12 +129,12 @@ CHILD = textwrap.dedent(r"""
     import torch
     import hiermem as hm
 
-    path, outdir = sys.argv[1], sys.argv[2]
+    path, outdir, combine = sys.argv[1], sys.argv[2], int(sys.argv[3])
     T = [hm.TableSpec("bounded", 120, 8), hm.TableSpec("hashed", None, 5)]
     HASHED = [(i * 0x9E3779B97F4A7C15) % (2**63) for i in range(59)] + [2**63 - 1]
     U = {"bounded": torch.arange(120), "hashed": torch.tensor(HASHED, dtype=torch.int64)}
     store = hm.HierarchicalStore(T, hm.StoreConfig(path=path, device_rows=4, host_rows=16,
-                                                   optimizer=hm.SGD(lr=0.1), seed=3))
+                                                   optimizer=hm.SGD(lr=0.1), seed=3, write_combine=combine))
     g = torch.Generator().manual_seed(0)
     log = open(os.path.join(outdir, "later.jsonl"), "w")
 
@@ -205,12 +205,15 @@ def _read_line(proc, deadline):
 KILL_AFTER = 60  # unflushed operations the child makes (at least) before it is killed
 
 
-def test_flush_then_sigkill_keeps_flushed_values(tmp_path):
+@pytest.mark.parametrize("combine", [0, 16], ids=["each-write-back", "combined"])
+def test_flush_then_sigkill_keeps_flushed_values(tmp_path, combine):
+    """Write-backs committed one by one, or combined 16 records at a time (those held
+    when the process dies are lost, as the promise allows)."""
     path, outdir = tmp_path / "store", tmp_path / "out"
     outdir.mkdir()
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    proc = subprocess.Popen([sys.executable, str(script), str(path), str(outdir)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), str(path), str(outdir), str(combine)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, bufsize=1)
     try:
         deadline = time.monotonic() + 120
@@ -776,7 +779,7 @@ def dirty_store(_flushed_adam_template):
     every call gives one with the same history (and values)."""
     def make(path):
         copy_store(_flushed_adam_template, path)
-        s = hm.HierarchicalStore.open(path)
+        s = hm.HierarchicalStore.open(path, write_combine=0)  # each write-back commits in its op
         workload(s, 12, seed=5)
         st = s.stats()["_store"]
         assert st["device_dirty"] > 0 and st["host_dirty"] > 0

@@ -38,11 +38,15 @@ def torture():
     return mod
 
 
-@pytest.mark.parametrize("write_behind,io_process", [(False, True), (True, True), (True, False)],
-                         ids=["sync-writebacks", "write-behind", "write-behind-in-thread"])
-def test_kills_lose_and_tear_nothing(torture, tmp_path, write_behind, io_process):
+@pytest.mark.parametrize("write_behind,io_process,combine", [(False, True, 0), (False, True, 24), (True, True, None),
+                                                            (True, False, None)],
+                         ids=["sync-writebacks", "combined-writebacks", "write-behind", "write-behind-in-thread"])
+def test_kills_lose_and_tear_nothing(torture, tmp_path, write_behind, io_process, combine):
+    """``combine``: each write-back commits in its step (0), or they are held until 24
+    records are, then committed together (a kill loses those held)."""
     n = len(torture.MODES)  # one kill per mode: random, flush (4 ways), write-back, checkpoint (3), prefetch (2)
-    rounds = torture.torture(n, tmp_path, seed=7, verbose=False, write_behind=write_behind, io_process=io_process)
+    rounds = torture.torture(n, tmp_path, seed=7, verbose=False, write_behind=write_behind, io_process=io_process,
+                             write_combine=combine)
     s = torture.summary(rounds)
     assert s["kills"] == n >= 5 and all(r.rc == -signal.SIGKILL for r in rounds)
     assert s["open_errors"] == 0, [r.open_error for r in rounds]

@@ -118,7 +118,8 @@ def _exercise_kernels(part: int | None = None) -> None:
 
 
 def _exercise_host() -> None:
-    """The host tier's record pools (mixed widths): assign, write, read, release."""
+    """The host tier's record pools (mixed widths): assign, write, read, release; and
+    the disk tier's write combining (:mod:`hiermem.tiers.combine`)."""
     import torch
 
     from ..eviction import PolicySpec
@@ -132,6 +133,11 @@ def _exercise_host() -> None:
     h.read(s, 12)
     h.state[0][:] = -1
     h.release(s)
+    from ..tiers.combine import WriteCombiner  # the disk tier's write combining
+
+    c = WriteCombiner(8)
+    c.put(s, s, np.ones((2, 4), dtype=np.float32), [4, 4])
+    c.lookup(0, s, 4, np.zeros(2, dtype=bool), np.zeros((2, 4), dtype=np.float32))
 
 
 def _exercise_dataplane(plane: str = "compiled") -> None:

@@ -47,6 +47,7 @@ from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, 
                       ROWS_DB_V1, _check_lmdb_file, decode_keys, id_keys, key_list, meta_bytes, parse_meta, refuse_v1,
                       table_db, table_of_db, value_list)
 from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
+from .combine import WriteCombiner
 
 COMMIT_ATTEMPTS = 2  # a commit that failed with an I/O error is tried once more (LMDB aborted it whole)
 MIGRATE_CHUNK = 1 << 16  # version-1 rows copied per transaction of a migration
@@ -79,6 +80,9 @@ class DiskTier:
         sync: fsync on every commit; when False only :meth:`sync` (called by flush)
             forces data to disk.
         write_behind: commit :meth:`enqueue`'d write-backs on a writer thread.
+        combine: hold :meth:`enqueue_rows`' write-backs (without ``write_behind``) until
+            this many records are held, then commit them in one transaction
+            (:mod:`.combine`); 0: commit each write-back.
         io_process: the writer thread and read-ahead threads hand their LMDB work to a
             child process each (:class:`~hiermem.tiers.lmdb_process.LmdbProcess`);
             falls back to doing it in-thread when unsupported or when a child fails.
@@ -103,7 +107,7 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True,
                  write_behind: bool = False, io_process: bool = False, writemap: bool | None = False,
-                 readonly: bool = False, tables: int = 0, migrate: bool = False):
+                 readonly: bool = False, tables: int = 0, migrate: bool = False, combine: int = 0):
         self.path = Path(path)
         self._max_dbs = max(32, int(tables) + 4)
         self.readonly = bool(readonly)
@@ -170,6 +174,8 @@ class DiskTier:
         self.queue = WriteQueue(self._commit_queued, lambda q: self._write_txn(self._txn_body(q), q.nbytes),
                                 self._committed)
         self.procs = IOProcesses(self.path, io_process, sync, self._max_dbs)
+        #: eviction write-backs held for one later commit (None: each is committed)
+        self.combine = WriteCombiner(combine) if combine > 0 and not self.write_behind and not readonly else None
         if self.version == 1 and migrate:
             try:
                 self._migrate_v1()
@@ -334,7 +340,7 @@ class DiskTier:
         """Records of ``ids`` of one table: ``(found bool[n], records float32[n, width])``.
 
         Rows not found are left zero in ``records``; duplicate ids get the same record.
-        Queued write-backs win over LMDB (the newest queued record of a row is its value).
+        Queued and combined write-backs win over LMDB (a row's newest record is its value).
         """
         queued = []
         if self.write_behind:  # else nothing is ever queued
@@ -350,6 +356,8 @@ class DiskTier:
                 if hit.any():
                     found[hit] = True
                     out[hit] = qrec[j[hit], :width]
+        if self.combine is not None:
+            self.combine.lookup(table, ids, width, found, out)
         return found, out
 
     def _read(self, table: int, ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -509,6 +517,43 @@ class DiskTier:
         self.bytes_written += q.nbytes
         return q.nbytes
 
+    def enqueue_rows(self, t: np.ndarray, k: np.ndarray, rec: np.ndarray, widths: list[int],
+                     meta: Callable[[], dict] | None = None) -> int:
+        """An eviction write-back of rows ``(t, k)`` (int64 ``[n]``) with records ``rec``
+        (float32 ``[n, W]``, table ``t``'s first ``widths[t]`` columns): combined with
+        others (:attr:`combine`; committed when the limit would be passed, and with the
+        next :meth:`write`), else :meth:`enqueue`'d.  ``meta()``: the metadata written
+        with the commit.  Returns the bytes of records.
+
+        Raises:
+            DiskFullError, StoreIOError: the commit this write-back needed failed;
+                nothing of this call was written or held.
+        """
+        c = self.combine
+        if c is None or not c.room(len(k)):
+            if c is not None and c.n:  # what is held first, with this write-back in its transaction
+                return self.write(self._groups(t, k, rec, widths), meta=None if meta is None else meta())
+            return self.enqueue(self._groups(t, k, rec, widths), meta=None if meta is None else meta())
+        c.put(t, k, rec, widths)
+        return self._nbytes(t, widths)
+
+    @staticmethod
+    def _nbytes(t: np.ndarray, widths: list[int]) -> int:
+        return int(np.asarray(widths, np.int64)[t].sum()) * 4 if len(t) else 0
+
+    @staticmethod
+    def _groups(t: np.ndarray, k: np.ndarray, rec: np.ndarray, widths: list[int]) -> list:
+        """``(table, ids, records at the table's width)`` of rows ``(t, k, rec)``."""
+        order = np.argsort(t, kind="stable")
+        st = t[order]
+        cut = np.flatnonzero(st[1:] != st[:-1]) + 1
+        out = []
+        for part in np.split(order, cut):
+            if part.size:
+                ti = int(t[part[0]])
+                out.append((ti, k[part], rec[part, :widths[ti]]))
+        return out
+
     def drain(self) -> None:
         """Wait until every queued write-back is committed (:meth:`WriteQueue.drain`)."""
         self.queue.drain()
@@ -517,6 +562,11 @@ class DiskTier:
     def queued(self) -> int:
         """Rows in queued write-backs."""
         return self.queue.rows
+
+    @property
+    def combined(self) -> int:
+        """Rows held by :attr:`combine` for a later commit."""
+        return self.combine.rows if self.combine is not None else 0
 
     def _commit_queued(self, q: _Queued) -> None:
         """The writer thread's commit of a queued write-back: by its I/O process, or here
@@ -565,23 +615,29 @@ class DiskTier:
               sync: bool = False) -> int:
         """Write ``(table, ids, records)`` groups (and ``meta``) in one transaction.
 
-        Returns the number of bytes of records written.
+        Rows held by :attr:`combine` are written first, in the same transaction.
+
+        Returns the number of bytes of ``groups``' records written.
 
         Raises:
-            DiskFullError: the disk is full; the transaction was aborted.
+            DiskFullError: the disk is full; the transaction was aborted (rows held by
+                :attr:`combine` are still held).
         """
         self.drain()  # queued write-backs first: a later write of a row must win
-        q = self._prepare(groups, meta)
+        held = self.combine.groups() if self.combine is not None else []
+        q = self._prepare(held + list(groups), meta)  # combined rows first: the later put wins
 
         t0 = time.perf_counter()
         self._write_txn(self._txn_body(q), q.nbytes)
+        if held:
+            self.combine.clear()
         if q.groups:
             self.ahead.written([(t, ids) for t, ids, _ in q.groups])
         if sync:
             self.sync()
         self._observe(self.write_seconds, t0)
         self.bytes_written += q.nbytes
-        return q.nbytes
+        return q.nbytes - sum(rec.nbytes for _, _, rec in held)
 
     def _prepare(self, groups, meta: dict | None) -> _Queued:
         self._check_version()
@@ -649,6 +705,8 @@ class DiskTier:
                 txn.put(META_KEY, meta_raw, db=self.meta_db)
 
         self._write_txn(body)
+        if self.combine is not None:
+            self.combine.clear()
         self.ahead.clear()
         self.sync()
 
@@ -668,9 +726,18 @@ class DiskTier:
             raise typed(self.path, e, "sync") from e
 
     def count(self) -> int:
-        """Rows in LMDB, every table's."""
+        """Rows of the disk tier, every table's: in LMDB, and held by :attr:`combine`
+        not yet in LMDB."""
         dbs = list(self._dbs.values()) if self.version == FORMAT_VERSION else [self.rows_db]
-        return self.snapshot_read(lambda txn: sum(txn.stat(db)["entries"] for db in dbs), "stat")
+        held = self.combine.groups() if self.combine is not None else []
+
+        def fn(txn: lmdb.Transaction) -> int:
+            n = sum(txn.stat(db)["entries"] for db in dbs)
+            for table, ids, _ in held:  # rows written for the first time are not in LMDB yet
+                db = self._dbs.get(table)
+                n += len(ids) - (len(txn.cursor(db=db).getmulti(key_list(id_keys(ids)))) if db is not None else 0)
+            return n
+        return self.snapshot_read(fn, "stat")
 
     def close(self) -> None:
         """Close the environment.  Queued write-backs not yet committed are dropped: the

@@ -81,9 +81,10 @@ class Residency:
         rec = np.zeros((kn.size, self.width), dtype=np.float32)
         found = np.zeros(kn.size, dtype=np.bool_)
         nbytes = 0
-        for ti, m in by_table(t.numpy()):
+        parts = by_table(t.numpy())
+        got = self.disk.read_many([(ti, kn[m], self.widths[ti]) for ti, m in parts])  # one LMDB transaction
+        for (ti, m), (f, r) in zip(parts, got):
             w = self.widths[ti]
-            f, r = self.disk.read(ti, kn[m], w)
             if f.all():
                 rec[m, :w], found[m] = r, True
                 nbytes += m.size * w * 4

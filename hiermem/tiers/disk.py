@@ -346,6 +346,51 @@ class DiskTier:
         if self.write_behind:  # else nothing is ever queued
             queued = self.queue.snapshot()  # before reading LMDB: a batch committed meanwhile is still here
         found, out = self._read(table, ids, width)
+        self._newer(table, ids, width, found, out, queued)
+        return found, out
+
+    def read_many(self, groups: list[tuple[int, np.ndarray, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`read` of ``(table, ids, width)`` groups, each table's once: one LMDB read
+        transaction for them all (a step's misses span many tables; a transaction and the
+        calls around it cost about as much as reading 30 rows)."""
+        if len(self.ahead) or len(groups) < 2:  # read-ahead records to look up first: table by table
+            return [self.read(t, ids, w) for t, ids, w in groups]
+        self._check_version()
+        queued = self.queue.snapshot() if self.write_behind else []
+        plan = []  # (table, sorted distinct keys, their order in ids or None, inverse or None, width, db)
+        for table, ids, width in groups:
+            u = id_keys(ids)
+            order = inverse = None
+            if len(u) > 1 and not bool((u[1:] > u[:-1]).all()):
+                order = np.argsort(u, kind="stable")
+                su = u[order]
+                if bool((su[1:] == su[:-1]).any()):  # each distinct id once, then expand
+                    su, inverse = np.unique(u, return_inverse=True)
+                    order = None
+                u = su
+            plan.append((table, u, order, inverse, width, self.table_database(table)))
+
+        def fn(txn: lmdb.Transaction) -> list:
+            return [txn.cursor(db=db).getmulti(key_list(u)) if db is not None and len(u) else []
+                    for _, u, _, _, _, db in plan]
+        t0 = time.perf_counter()
+        res = self.snapshot_read(fn)
+        self._observe(self.read_seconds, t0)
+        out = []
+        for (table, u, order, inverse, width, _), got, (_, ids, _) in zip(plan, res, groups):
+            f = np.zeros(len(u), dtype=bool)
+            r = np.zeros((len(u), width), dtype=np.float32)
+            self.parse_records(got, table, width, u, order, f, r)
+            if inverse is not None:
+                f, r = f[inverse], r[inverse]
+            self._newer(table, ids, width, f, r, queued)
+            out.append((f, r))
+        return out
+
+    def _newer(self, table: int, ids: np.ndarray, width: int, found: np.ndarray, out: np.ndarray,
+               queued: list) -> None:
+        """Records of ``ids`` newer than LMDB's into ``found``/``out``: those of the write-behind
+        ``queued`` batches (oldest first: the newest wins), then those combined."""
         for q in queued:  # oldest first: the newest wins
             for t, qids, qrec in q.groups:
                 if t != table or not len(qids):
@@ -358,7 +403,6 @@ class DiskTier:
                     out[hit] = qrec[j[hit], :width]
         if self.combine is not None:
             self.combine.lookup(table, ids, width, found, out)
-        return found, out
 
     def _read(self, table: int, ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`read` from the read-ahead cache and LMDB (the queue aside)."""

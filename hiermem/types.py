@@ -161,7 +161,7 @@ class StoreConfig:
     map_size: int = 1 << 28
     sync_writebacks: bool = False
     write_behind: Union[bool, str] = False
-    write_combine: int = 4096
+    write_combine: int = 16384
     io_process: bool = True
     writemap: Optional[bool] = None
     trace_path: Optional[Union[str, os.PathLike]] = None

@@ -103,7 +103,7 @@ WINDOW, TOLERANCE, MIN_WARMUP = 20, 0.005, 40
 DEPTH = 2
 BLOCK = 5  # timed steps per block, alternating hiermem and baseline
 MIN_COMMITS = 2  # combined write-back commits a timed window holds at least (whole cycles)
-WINDOW_CAP = 6  # ... within this many times --steps
+WINDOW_CAP = 12  # ... within this many times --steps
 PAIR_STEPS = 4  # a pair (paired()) times this many x --steps: 4x the blocks of a configuration, half its noise
 
 

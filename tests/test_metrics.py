@@ -29,7 +29,7 @@ from hiermem.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_store(path, device_rows=2, host_rows=2, tables=None, optimizer=None, write_combine=4096):
+def make_store(path, device_rows=2, host_rows=2, tables=None, optimizer=None, write_combine=16384):
     tables = tables or [hm.TableSpec("t", 100, 4)]
     return hm.HierarchicalStore(tables, hm.StoreConfig(path=str(path), device="cpu", device_rows=device_rows,
                                                        host_rows=host_rows, policy="lru",

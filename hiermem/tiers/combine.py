@@ -92,6 +92,7 @@ class WriteCombiner:
 
     def __init__(self, limit: int):
         self.limit = int(limit)
+        self.rec = np.empty((0, 0), np.float32)  # records appended (kept allocated across commits)
         self.clear()
 
     def clear(self) -> None:
@@ -99,7 +100,6 @@ class WriteCombiner:
         self.t = np.empty(0, np.int64)  # the rows held, sorted by (table, id)
         self.k = np.empty(0, np.int64)
         self.p = np.empty(0, np.int64)  # each row's newest record in self.rec
-        self.rec = np.empty((0, 0), np.float32)
         self.n = 0  # records appended (a row's older records included)
         self.widths: dict[int, int] = {}  # each table's record width, as written
 
@@ -127,7 +127,8 @@ class WriteCombiner:
             order, st, sk = order[last], st[last], sk[last]
         W = rec.shape[1]
         if self.n + m > self.rec.shape[0] or W > self.rec.shape[1]:
-            grown = np.zeros((max(2 * self.rec.shape[0], self.n + m, 64), max(W, self.rec.shape[1])), np.float32)
+            rows = min(max(2 * self.rec.shape[0], self.n + m, 64), max(self.limit, self.n + m))
+            grown = np.zeros((rows, max(W, self.rec.shape[1])), np.float32)
             grown[:self.n, :self.rec.shape[1]] = self.rec[:self.n]
             self.rec = grown
         self.rec[self.n:self.n + m, :W] = rec

@@ -120,7 +120,7 @@ def snapshot(store) -> _Snap | None:
         info, psize = disk.env.info(), disk.env.stat()["psize"]
         lmdb_read, lmdb_write = disk.durations()
         disk_io = {"read_ahead_rows": disk.ahead_rows, "read_ahead_hits": disk.ahead_hits,
-                   "write_queue_rows": disk.queued, "io_processes": disk.io_processes,
+                   "write_queue_rows": disk.queued, "combined_rows": disk.combined, "io_processes": disk.io_processes,
                    "io_failures": disk.io_failures, "writemap": int(disk.writemap)}
         return _Snap([s.name for s in store.tables], store.policy.name, c.table.clone(), c.io.clone(), tiers,
                      disk.count(), (info["last_pgno"] + 1) * psize, disk.map_size,
@@ -162,6 +162,8 @@ _DISK_IO = (
      "LMDB I/O child processes that failed to start or died (their work was redone in-process).", True),
     ("write_queue_rows", "hiermem_disk_write_queue_rows",
      "Rows in write-backs queued for the writer (write_behind), not yet committed.", False),
+    ("combined_rows", "hiermem_disk_combined_rows",
+     "Rows of eviction write-backs held for one combined commit (write_combine), not yet committed.", False),
     ("io_processes", "hiermem_disk_io_processes", "LMDB I/O child processes running now.", False),
     ("writemap", "hiermem_disk_writemap", "1 when LMDB commits through its preallocated map.", False),
 )

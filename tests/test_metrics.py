@@ -427,6 +427,7 @@ def test_disk_io_metrics_follow_the_store(tmp_path):
         assert v("hiermem_disk_read_ahead_rows_total") == st["disk_read_ahead_rows"]
         assert v("hiermem_disk_read_ahead_hits_total") == st["disk_read_ahead_hits"]
         assert v("hiermem_disk_write_queue_rows") == st["disk_write_queue_rows"]
+        assert v("hiermem_disk_combined_rows") == st["disk_combined_rows"] == 0  # write-behind: none held
         # the I/O children start (and may stop) on their own threads: the scrape sees a
         # count between the stats read before and after it
         procs = v("hiermem_disk_io_processes")
@@ -437,6 +438,24 @@ def test_disk_io_metrics_follow_the_store(tmp_path):
         for tier in ("device", "host"):
             assert v("hiermem_victim_reservoir_builds_total", tier=tier) == 0  # tiers this small are scanned
         s.flush()
-        assert v("hiermem_disk_write_queue_rows") == 0
+        assert v("hiermem_disk_write_queue_rows") == 0 and v("hiermem_disk_combined_rows") == 0
+    finally:
+        s.close()
+
+
+def test_combined_write_back_rows_are_exported(tmp_path):
+    """Write-backs held for a combined commit (the default, ``write_combine``): the gauge
+    follows the store's count, and drops to zero when a flush commits them."""
+    s = make_store(tmp_path / "s", device_rows=8, host_rows=16)
+    reg = collector_registry(s)
+    try:
+        for i in range(6):
+            ids = torch.arange(10 * i, 10 * i + 10)
+            s.update("t", ids, torch.ones(10, 4))  # dirty rows, evicted by the next batches
+        held = s.stats()["_store"]["disk_combined_rows"]
+        assert held > 0
+        assert reg.get_sample_value("hiermem_disk_combined_rows", {"store": "s"}) == held
+        s.flush()
+        assert reg.get_sample_value("hiermem_disk_combined_rows", {"store": "s"}) == 0
     finally:
         s.close()

@@ -24,8 +24,10 @@ Kill modes, cycled over the rounds (``MODES``):
   k-th flush: with the rows put in the LMDB transaction but not committed; committed but
   not yet synced; or after ``flush()`` returned but before the marker was logged;
 * ``writeback-txn``: inside its k-th eviction write-back transaction, before commit
-  (with ``--write-behind``, inside the writer thread's commit; with its I/O process, just
-  after handing the batch to that process, which dies with the child, mid-commit);
+  (write-backs are held and committed ``--write-combine`` records at a time, 0: each in
+  its step; with ``--write-behind``, inside the writer thread's commit; with its I/O
+  process, just after handing the batch to that process, which dies with the child,
+  mid-commit);
 * ``checkpoint``: a moment after the child announces a ``checkpoint()`` (its flush, the
   LMDB copy, the fsyncs or the rename);
 * ``checkpoint-copy`` / ``checkpoint-rename``: inside the k-th checkpoint, after the LMDB
@@ -951,9 +953,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the child's store does its background LMDB I/O on its threads (io_process=False)")
     p.add_argument("--write-behind", action="store_true",
                    help="the child's store commits eviction write-backs on its writer thread")
-    p.add_argument("--write-combine", type=int, default=None, metavar="ROWS",
-                   help="the child's store holds write-backs until ROWS records (0: commits each; "
-                        "default: the store's default)")
+    p.add_argument("--write-combine", type=int, default=24, metavar="ROWS",
+                   help="the child's store holds write-backs until ROWS records, then commits them together "
+                        "(0: commits each); default 24, so that the write-back kill points come often in "
+                        "these small tiers (the store's own default, 16384, would hold most rows till a flush)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
     for a in ("--store", "--log", "--baseline", "--mode", "--policy", "--ckdir", "--round"):

@@ -139,3 +139,38 @@ def timed(hist: str):
                     getattr(self.counters, hist).observe(time.perf_counter() - t0)
         return timed
     return deco
+
+
+def store_stats(store, cumulative: bool = False) -> dict:
+    """:meth:`HierarchicalStore.stats <hiermem.HierarchicalStore.stats>`: counters per
+    table and tier (with each slot tier's occupancy), then the store-wide ``_store``
+    figures, read through the store's public views (the caller holds its lock)."""
+    table, io = store.cumulative_counters() if cumulative else (store.counters.table, store.counters.io)
+    occ = store.residency.occupancy(len(store.tables))
+    out: dict = {}
+    for i, s in enumerate(store.tables):
+        per = {}
+        for tier in STAT_TIERS:
+            d = {st.name.lower(): int(table[i, tier, st]) for st in Stat}
+            if tier in occ:
+                d["occupancy"] = occ[tier][i]
+            per[tier.label] = d
+        out[s.name] = per
+    dev, host, disk = store.device_tier, store.host_tier, store.disk
+    out["_store"] = {
+        **{k.name.lower(): int(io[k]) for k in IO},
+        "device_capacity": dev.capacity, "host_capacity": host.capacity,
+        "device_occupancy": dev.occupancy, "host_occupancy": host.occupancy,
+        "device_dirty": int(dev.dirty.sum()), "host_dirty": int(host.dirty.sum()),
+        "device_record_bytes": dev.record_bytes(), "host_record_bytes": host.record_bytes(),
+        "disk_rows": disk.count() if not store.closed else None,
+        "lmdb_map_size": disk.map_size, "policy": store.policy.name,
+        "disk_read_ahead_rows": disk.ahead_rows, "disk_read_ahead_hits": disk.ahead_hits,
+        "disk_write_queue_rows": disk.queued, "disk_combined_rows": disk.combined,
+        "disk_writemap": disk.writemap, "disk_io_processes": disk.io_processes,
+        "disk_io_failures": disk.io_failures,
+        "write_behind": store.write_behind, "write_behind_reason": store.write_behind_reason,
+        "flush_seq": store.flush_seq, "prefetch_depth": store.config.prefetch_depth,
+        "stale_temporaries_removed": store.stale_temporaries_removed,
+    }
+    return out

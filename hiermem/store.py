@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import threading
-from types import SimpleNamespace
 from pathlib import Path
 from typing import Sequence
 
@@ -42,7 +41,7 @@ from .residency import Residency
 from . import locks, validate
 from .checkpoint import Checkpoints, restore as restore_checkpoint
 from .storemeta import OVERRIDABLE, saved_config, saved_counters
-from .stats import IO, STAT_TIERS, Counters, Stat, timed
+from .stats import IO, Counters, store_stats, timed
 from .tiers import DiskTier, SlotTier
 from .tiers.disk import decode_keys
 from .tiers.slots import Rows, by_table
@@ -801,37 +800,7 @@ class HierarchicalStore:
                 saved with its metadata at every flush and checkpoint), not this session's.
         """
         with self._lock:
-            c = self.counters
-            if cumulative:
-                table, io = self.cumulative_counters()
-                c = SimpleNamespace(table=table, io=io)
-            occ = self._res.occupancy(len(self.tables))
-            out: dict = {}
-            for i, s in enumerate(self.tables):
-                per = {}
-                for tier in STAT_TIERS:
-                    d = {st.name.lower(): int(c.table[i, tier, st]) for st in Stat}
-                    if tier in occ:
-                        d["occupancy"] = occ[tier][i]
-                    per[tier.label] = d
-                out[s.name] = per
-            out["_store"] = {
-                **{k.name.lower(): int(c.io[k]) for k in IO},
-                "device_capacity": self._dev.capacity, "host_capacity": self._host.capacity,
-                "device_occupancy": self._dev.occupancy, "host_occupancy": self._host.occupancy,
-                "device_dirty": int(self._dev.dirty.sum()), "host_dirty": int(self._host.dirty.sum()),
-                "device_record_bytes": self._dev.record_bytes(), "host_record_bytes": self._host.record_bytes(),
-                "disk_rows": self._disk.count() if not self._closed else None,
-                "lmdb_map_size": self._disk.map_size, "policy": self.policy.name,
-                "disk_read_ahead_rows": self._disk.ahead_rows, "disk_read_ahead_hits": self._disk.ahead_hits,
-                "disk_write_queue_rows": self._disk.queued, "disk_combined_rows": self._disk.combined,
-                "disk_writemap": self._disk.writemap, "disk_io_processes": self._disk.io_processes,
-                "disk_io_failures": self._disk.io_failures,
-                "write_behind": self.write_behind, "write_behind_reason": self.write_behind_reason,
-                "flush_seq": self._flush_seq, "prefetch_depth": self.config.prefetch_depth,
-                "stale_temporaries_removed": self.stale_temporaries_removed,
-            }
-            return out
+            return store_stats(self, cumulative)
 
     def audit(self) -> None:
         """Check the internal invariants (a debugging aid; O(capacity);
@@ -957,6 +926,11 @@ class HierarchicalStore:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def flush_seq(self) -> int:
+        """Flushes this store has completed over its life (read-only handles report it)."""
+        return self._flush_seq
 
     def __repr__(self) -> str:
         return (f"HierarchicalStore({self.path}, tables={[s.name for s in self.tables]}, "

@@ -310,3 +310,30 @@ def test_combiner_matches_a_dict():
     assert all(np.array_equal(got[key], want[key][:widths[key[0]]]) for key in want)
     for ti, ids, _ in c.groups():
         assert (np.diff(ids) > 0).all()
+
+
+def test_read_many_equals_reads_table_by_table(tmp_path):
+    """One transaction for a step's misses of every table: the same records as
+    ``DiskTier.read`` per table (ids unsorted, repeated, missing; held rows; a table never
+    written; an empty group)."""
+    from hiermem.tiers.disk import DiskTier
+
+    d = DiskTier(tmp_path / "d", create=True, tables=3, combine=64)
+    try:
+        d.write([(0, np.arange(0, 40, 2), np.arange(80, dtype=np.float32).reshape(20, 4)),
+                 (1, np.array([5, 9, 2**62]), np.ones((3, 3), np.float32))])
+        d.enqueue_rows(np.array([0, 0, 1]), np.array([4, 7, 9]), np.full((3, 4), 7.0, np.float32), [4, 3, 2])
+        assert d.combined == 3
+        groups = [(0, np.array([38, 4, 3, 4, 0, 7, 100]), 4), (1, np.array([2**62, 9, 8]), 3),
+                  (2, np.array([1, 2]), 2), (1, np.array([], dtype=np.int64), 3)]
+        got = d.read_many(groups)
+        for (t, ids, w), (f, r) in zip(groups, got):
+            f1, r1 = d.read(t, ids, w)
+            assert np.array_equal(f, f1) and np.array_equal(r, r1)
+        f, r = got[0]
+        assert f.tolist() == [True, True, False, True, True, True, False]
+        assert r[1].tolist() == [7.0] * 4 and r[0].tolist() == [76.0, 77.0, 78.0, 79.0]  # held, LMDB
+        assert got[1][0].tolist() == [True, True, False] and got[1][1][1].tolist() == [7.0] * 3
+        assert not got[2][0].any() and got[3][0].size == 0
+    finally:
+        d.close()

@@ -896,8 +896,11 @@ def _fill_until_failure(s, dim=64, start=500, batch=200):
 
 def _tiny_store(mnt):
     path = mnt / "store"
+    # each write-back commits in its step: on a 2 MiB disk the rows held for a combined
+    # commit (MiBs of them by default) would need more room than the refill frees
     s = hm.HierarchicalStore([hm.TableSpec("t", None, 64)],
-                             hm.StoreConfig(path=path, device_rows=256, host_rows=1024, map_size=1 << 20))
+                             hm.StoreConfig(path=path, device_rows=256, host_rows=1024, map_size=1 << 20,
+                                            write_combine=0))
     flushed = torch.randn(500, 64, generator=torch.Generator().manual_seed(0))
     s.write("t", torch.arange(500), flushed)
     s.flush()

@@ -65,7 +65,9 @@ def check(s, ref):
 @pytest.mark.parametrize("writemap", [True, False], ids=["writemap", "plain"])
 def test_training_through_a_growing_map_is_exact_and_the_map_is_allocated(tmp_path, writemap, wb):
     opt = hm.RowWiseAdagrad(lr=0.1)
-    s = make(tmp_path / "s", writemap=writemap, write_behind=wb, map_size=1 << 20)
+    # each write-back commits in its step (sync) or on the writer thread: the map grows
+    # inside training (combined commits: tests/test_faults.py's map-full test)
+    s = make(tmp_path / "s", writemap=writemap, write_behind=wb, map_size=1 << 20, write_combine=0)
     ref = FlatStore(SPEC, opt, seed=5)
     try:
         assert s.stats()["_store"]["disk_writemap"] is writemap

@@ -383,12 +383,13 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
     wb_on, wb_why = store.write_behind, store.write_behind_reason
     try:
         n, settled = (0, True) if cold else warm(tr, store, it, a.warmup_cap, fill_host=not preload)
+        n_align = 0
         if not cold:
-            n += to_commit(tr, it, store, a.warmup_cap)  # the window starts with a whole commit cycle
+            n_align = to_commit(tr, it, store, a.warmup_cap)  # the window starts with a whole commit cycle
             settle(store, pipe)
             s0 = snapshot(store, pipe)
         combines_rows = store.disk.combine.limit if combines(store) else 0
-        hs, bs, ws, med, steps, ncommit = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n, a.steps,
+        hs, bs, ws, med, steps, ncommit = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n + n_align, a.steps,
                                                        t_pipe if cold else None)
         res = figures(s0, snapshot(store, pipe), steps, a.batch, wb_on, ctx["rate"], hs, ws, background == "inline")
     finally:
@@ -398,10 +399,11 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
         shutil.rmtree(path, ignore_errors=True)
     base = steps * a.batch / bs
     res.update(baseline_samples_per_s=base, over_baseline=res["samples_per_s"] / base, over_baseline_median=med,
-               timed_steps=steps, commits_timed=ncommit, write_combine=combines_rows, warmup_steps=n, settled=settled,
+               timed_steps=steps, commits_timed=ncommit, write_combine=combines_rows, warmup_steps=n,
+               align_steps=n_align, settled=settled,
                device_rows=dev, host_rows=host, prefetch_depth=depth, write_behind=wb_on,
                write_behind_asked=wb, write_behind_reason=wb_why, prefetch_background=background)
-    cyc = f"  {steps} steps, {ncommit} commits" if combines_rows and not cold else ""
+    cyc = f"  +{n_align} to a commit; {steps} steps, {ncommit} commits" if combines_rows and not cold else ""
     print(f"  {name:28s} x{res['over_baseline']:.3f}  warm {n:3d}{'' if settled else '(cap)'}  "
           f"dev hit {res['hit_rates']['device']:.3f}  ({time.perf_counter() - t_start:.1f} s){cyc}", file=sys.stderr)
     return res
@@ -665,6 +667,7 @@ def summary(res: dict, Ws: dict, proj: dict, png: Path, a, pairs: dict | None = 
             "configs": {k: {"over_baseline": round(c["over_baseline"], 3),
                             "over_baseline_median": round(c["over_baseline_median"], 3),
                             "timed_steps": c["timed_steps"], "commits_timed": c["commits_timed"],
+                            "align_steps": c["align_steps"],
                             "write_combine": c["write_combine"],
                             "samples_per_s": round(c["samples_per_s"], 1),
                             "baseline_samples_per_s": round(c["baseline_samples_per_s"], 1),

@@ -50,15 +50,20 @@ def batches(steps, seed=0):
         yield name, ids, torch.randn(10, TABLES[0 if name == "b" else 1].dim, generator=g)
 
 
+def step(stores, name, ids, noise):
+    """One training step of every store (and reference) in ``stores``: the same lookups."""
+    outs = []
+    for s in stores:
+        emb = s.lookup(name, ids)
+        s.update(name, ids, 0.5 * emb + noise)
+        outs.append(emb)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
 def train(stores, steps, seed=0):
     for name, ids, noise in batches(steps, seed):
-        outs = []
-        for s in stores:
-            emb = s.lookup(name, ids)
-            s.update(name, ids, 0.5 * emb + noise)
-            outs.append(emb)
-        for o in outs[1:]:
-            assert torch.equal(o, outs[0])
+        step(stores, name, ids, noise)
 
 
 def snapshot(s):

@@ -27,37 +27,13 @@ def _torch_plane(monkeypatch):
     monkeypatch.setenv("HIERMEM_DATA_PLANE", "torch")
 
 
-TABLES = [hm.TableSpec("b", 200, 4), hm.TableSpec("h", None, 3)]
-HASHED = torch.tensor([3, 2**33, 2**62 + 5, 2**63 - 1, 17, 123456, 99, 2**40, 0, 2**63 - 2], dtype=torch.int64)
+from test_write_behind import TABLES, batches, snapshot, step  # the same tables, batches and steps
 
 
 def make(path, combine, **kw):
     cfg = hm.StoreConfig(path=path, device_rows=kw.pop("device_rows", 6), host_rows=kw.pop("host_rows", 12),
                          optimizer=hm.Adagrad(lr=0.1), seed=3, write_combine=combine, **kw)
     return hm.HierarchicalStore(TABLES, cfg)
-
-
-def batches(steps, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for i in range(steps):
-        name, pool = ("b", torch.arange(200)) if i % 3 else ("h", HASHED)
-        ids = pool[torch.randint(0, pool.numel(), (10,), generator=g)]
-        yield name, ids, torch.randn(10, TABLES[0 if name == "b" else 1].dim, generator=g)
-
-
-def step(stores, name, ids, noise):
-    outs = []
-    for s in stores:
-        emb = s.lookup(name, ids)
-        s.update(name, ids, 0.5 * emb + noise)
-        outs.append(emb)
-    for o in outs[1:]:
-        assert torch.equal(o, outs[0])
-
-
-def snapshot(s):
-    return {"b": torch.cat([s.lookup("b", torch.arange(i, i + 10)) for i in range(0, 200, 10)]),
-            "h": s.lookup("h", HASHED)}
 
 
 def commits(s) -> int:

@@ -46,6 +46,7 @@ from .read_ahead import AHEAD_BATCHES, ReadAhead, _Ahead  # noqa: F401
 from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY,  # noqa: F401
                       ROWS_DB_V1, _check_lmdb_file, decode_keys, id_keys, key_list, meta_bytes, parse_meta, refuse_v1,
                       table_db, table_of_db, value_list)
+from .slots import by_table
 from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
 from .combine import WriteCombiner
 
@@ -588,15 +589,7 @@ class DiskTier:
     @staticmethod
     def _groups(t: np.ndarray, k: np.ndarray, rec: np.ndarray, widths: list[int]) -> list:
         """``(table, ids, records at the table's width)`` of rows ``(t, k, rec)``."""
-        order = np.argsort(t, kind="stable")
-        st = t[order]
-        cut = np.flatnonzero(st[1:] != st[:-1]) + 1
-        out = []
-        for part in np.split(order, cut):
-            if part.size:
-                ti = int(t[part[0]])
-                out.append((ti, k[part], rec[part, :widths[ti]]))
-        return out
+        return [(ti, k[m], rec[m, :widths[ti]]) for ti, m in by_table(t)]
 
     def drain(self) -> None:
         """Wait until every queued write-back is committed (:meth:`WriteQueue.drain`)."""

@@ -31,7 +31,7 @@ from .eviction import PolicySpec
 from .staged import StagedPath
 from .stats import IO, Counters
 from .tiers import DiskTier, HostTier, SlotTier
-from .tiers.slots import Rows, by_table, by_tier
+from .tiers.slots import Rows, by_table, by_tier, table_groups
 from .types import StoreConfig, TableSpec, Tier
 
 
@@ -103,8 +103,8 @@ class Residency:
         queue for its writer thread (:meth:`~hiermem.tiers.DiskTier.enqueue_rows`)."""
         k, rec = rows.k.numpy(), rows.rec.numpy()
         if sync:
-            groups = [(ti, k[m], rec[m, :self.widths[ti]]) for ti, m in by_table(rows.t.numpy())]
-            nbytes = self.disk.write(groups, meta=self._meta() if meta else None, sync=True)
+            nbytes = self.disk.write(table_groups(rows.t.numpy(), k, rec, self.widths),
+                                     meta=self._meta() if meta else None, sync=True)
         else:
             nbytes = self.disk.enqueue_rows(rows.t.numpy(), k, rec, self.widths, self._meta if meta else None)
         self.counters.add_io(IO.BYTES_HOST_TO_DISK, nbytes)

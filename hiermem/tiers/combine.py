@@ -150,13 +150,18 @@ class WriteCombiner:
             found[hit] = True
             out[hit] = self.rec[pos[hit], :width]
 
-    def groups(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """The rows held as ``(table, ids sorted, records at the table's width)`` groups."""
+    def _runs(self) -> list[tuple[int, int, int]]:
+        """``(table, start, end)`` of each table's run of the rows held."""
         if self.t.size == 0:
             return []
         cut = np.flatnonzero(self.t[1:] != self.t[:-1]) + 1
-        out = []
-        for a, b in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [self.t.size])).tolist()):
-            ti = int(self.t[a])
-            out.append((ti, self.k[a:b], self.rec[self.p[a:b], :self.widths[ti]]))
-        return out
+        starts, ends = np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [self.t.size])).tolist()
+        return [(int(self.t[a]), a, b) for a, b in zip(starts, ends)]
+
+    def keys(self) -> list[tuple[int, np.ndarray]]:
+        """The rows held as ``(table, ids sorted)`` groups (no records gathered)."""
+        return [(ti, self.k[a:b]) for ti, a, b in self._runs()]
+
+    def groups(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """The rows held as ``(table, ids sorted, records at the table's width)`` groups."""
+        return [(ti, self.k[a:b], self.rec[self.p[a:b], :self.widths[ti]]) for ti, a, b in self._runs()]

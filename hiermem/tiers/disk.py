@@ -46,7 +46,7 @@ from .read_ahead import AHEAD_BATCHES, ReadAhead, _Ahead  # noqa: F401
 from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY,  # noqa: F401
                       ROWS_DB_V1, _check_lmdb_file, decode_keys, id_keys, key_list, meta_bytes, parse_meta, refuse_v1,
                       table_db, table_of_db, value_list)
-from .slots import by_table
+from .slots import table_groups
 from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
 from .combine import WriteCombiner
 
@@ -68,6 +68,22 @@ def put_sorted(cur: lmdb.Cursor, ids: np.ndarray, rec: np.ndarray) -> None:
         added = cur.putmulti(zip(key_list(ids[split:]), value_list(rec[split:])), append=True)[1]
         if added != len(ids) - split:
             raise HierMemError("LMDB refused appended keys: ids not distinct and ascending")
+
+
+def sorted_keys(ids) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``(keys, sorted distinct keys, order, inverse)`` of row ids: ``keys`` the ids as
+    ``uint64`` (:func:`id_keys`); ``order`` (distinct but unsorted ids) the argsort that
+    sorts them, else None; ``inverse`` (repeated ids) maps each id to its distinct key,
+    else None.  Sorted distinct ids (the usual case) cost one comparison pass."""
+    u = id_keys(ids)
+    if len(u) < 2 or bool((u[1:] > u[:-1]).all()):
+        return u, u, None, None
+    order = np.argsort(u, kind="stable")
+    su = u[order]
+    if bool((su[1:] == su[:-1]).any()):
+        uniq, inverse = np.unique(u, return_inverse=True)
+        return u, uniq, None, inverse
+    return u, su, order, None
 
 
 class DiskTier:
@@ -360,16 +376,8 @@ class DiskTier:
         queued = self.queue.snapshot() if self.write_behind else []
         plan = []  # (table, sorted distinct keys, their order in ids or None, inverse or None, width, db)
         for table, ids, width in groups:
-            u = id_keys(ids)
-            order = inverse = None
-            if len(u) > 1 and not bool((u[1:] > u[:-1]).all()):
-                order = np.argsort(u, kind="stable")
-                su = u[order]
-                if bool((su[1:] == su[:-1]).any()):  # each distinct id once, then expand
-                    su, inverse = np.unique(u, return_inverse=True)
-                    order = None
-                u = su
-            plan.append((table, u, order, inverse, width, self.table_database(table)))
+            _, su, order, inverse = sorted_keys(ids)
+            plan.append((table, su, order, inverse, width, self.table_database(table)))
 
         def fn(txn: lmdb.Transaction) -> list:
             return [txn.cursor(db=db).getmulti(key_list(u)) if db is not None and len(u) else []
@@ -413,17 +421,10 @@ class DiskTier:
         if n == 0:
             return found, out
         self._check_version()
-        u = id_keys(ids)
-        order = None
-        if n > 1 and not bool((u[1:] > u[:-1]).all()):  # not sorted and distinct already
-            order = np.argsort(u, kind="stable")
-            su = u[order]
-            if bool((su[1:] == su[:-1]).any()):  # each distinct id once, then expand
-                uniq, inverse = np.unique(u, return_inverse=True)
-                f, r = self._read(table, uniq, width)
-                return f[inverse], r[inverse]
-        else:
-            su = u
+        u, su, order, inverse = sorted_keys(ids)
+        if inverse is not None:  # each distinct id once, then expand
+            f, r = self._read(table, su, width)
+            return f[inverse], r[inverse]
         if self.ahead:
             got = self.ahead.lookup(table, u, found, out)
             if got.all():
@@ -577,19 +578,14 @@ class DiskTier:
         c = self.combine
         if c is None or not c.room(len(k)):
             if c is not None and c.n:  # what is held first, with this write-back in its transaction
-                return self.write(self._groups(t, k, rec, widths), meta=None if meta is None else meta())
-            return self.enqueue(self._groups(t, k, rec, widths), meta=None if meta is None else meta())
+                return self.write(table_groups(t, k, rec, widths), meta=None if meta is None else meta())
+            return self.enqueue(table_groups(t, k, rec, widths), meta=None if meta is None else meta())
         c.put(t, k, rec, widths)
         return self._nbytes(t, widths)
 
     @staticmethod
     def _nbytes(t: np.ndarray, widths: list[int]) -> int:
         return int(np.asarray(widths, np.int64)[t].sum()) * 4 if len(t) else 0
-
-    @staticmethod
-    def _groups(t: np.ndarray, k: np.ndarray, rec: np.ndarray, widths: list[int]) -> list:
-        """``(table, ids, records at the table's width)`` of rows ``(t, k, rec)``."""
-        return [(ti, k[m], rec[m, :widths[ti]]) for ti, m in by_table(t)]
 
     def drain(self) -> None:
         """Wait until every queued write-back is committed (:meth:`WriteQueue.drain`)."""
@@ -766,11 +762,11 @@ class DiskTier:
         """Rows of the disk tier, every table's: in LMDB, and held by :attr:`combine`
         not yet in LMDB."""
         dbs = list(self._dbs.values()) if self.version == FORMAT_VERSION else [self.rows_db]
-        held = self.combine.groups() if self.combine is not None else []
+        held = self.combine.keys() if self.combine is not None else []
 
         def fn(txn: lmdb.Transaction) -> int:
             n = sum(txn.stat(db)["entries"] for db in dbs)
-            for table, ids, _ in held:  # rows written for the first time are not in LMDB yet
+            for table, ids in held:  # rows written for the first time are not in LMDB yet
                 db = self._dbs.get(table)
                 n += len(ids) - (len(txn.cursor(db=db).getmulti(key_list(id_keys(ids)))) if db is not None else 0)
             return n

@@ -54,6 +54,12 @@ def by_table(t: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(int(ts[a]), order[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
+def table_groups(t: np.ndarray, k: np.ndarray, rec: np.ndarray, widths: list[int]) -> list:
+    """``[(table, ids, records at the table's width)]`` of rows ``(t, k)`` with records
+    ``rec`` (``[n, W]``, the first ``widths[table]`` columns meaningful), by :func:`by_table`."""
+    return [(ti, k[m], rec[m, :widths[ti]]) for ti, m in by_table(t)]
+
+
 class SlotTier:
     """``capacity`` slots of ``width`` floats on ``device``; global slots start at ``base``."""
 

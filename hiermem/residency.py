@@ -183,22 +183,28 @@ class Residency:
     def copy_plan(self, ws: np.ndarray, res: np.ndarray, rec_disk: torch.Tensor | None) -> None:
         """The data plane of a committed plan on a CPU store: the device victims' records
         gathered, the host records coming up copied into their device slots in one pass
-        (:meth:`~hiermem.dataplane.DataPlane.rows_up`), the victims written to the host,
+        (:meth:`~hiermem.dataplane.DataPlane.rows_up`), the victims written to the host
+        (all three in one call where the plane can: :meth:`~hiermem.dataplane.DataPlane.swap_rows`),
         then disk records into place (:meth:`~hiermem.staged.StagedPath.move` is the staged form, CUDA's).  Host slots emptied
         by the plan give back their records and those filled get one of their row's width
         (:class:`~hiermem.tiers.HostTier`) before anything is written."""
         dev, host, dd = self.dev, self.host, self.device
         nu, nd = int(res[_plan.N_UP]), int(res[_plan.N_DN])
+        # both ways in one pass where the plane can (a host tier of one record width: no
+        # record is given back or taken, so no release or assign is needed either)
+        swapped = bool(nu and nd) and self.plane.swap_rows(dev.data, host, ws[_plan.DN_SRC, :nd],
+                                                           ws[_plan.DN_DST, :nd], ws[_plan.UP_SRC, :nu],
+                                                           ws[_plan.UP_DST, :nu])
         down = None
-        if nd:  # the device victims first: the rows coming up take their slots
+        if nd and not swapped:  # the device victims first: the rows coming up take their slots
             down = dev.data.index_select(0, torch.from_numpy(ws[_plan.DN_SRC, :nd].copy()).to(dd)).cpu()
-        if nu:  # host -> device in one pass, before any host record is given back or rewritten
+        if nu and not swapped:  # host -> device in one pass, before any host record is given back or rewritten
             up_src = ws[_plan.UP_SRC, :nu].copy()
             self.plane.rows_up(dev.data, host, up_src, ws[_plan.UP_DST, :nu].copy())
             host.release(up_src)
         if res[_plan.N_VH]:  # host victims gone to disk (their slots, unless refilled, give back their records)
             host.release(ws[_plan.VH, :int(res[_plan.N_VH])])
-        if nd:
+        if nd and not swapped:
             dn_dst = torch.from_numpy(ws[_plan.DN_DST, :nd].copy())
             host.assign(dn_dst)
             host.write(dn_dst, down)

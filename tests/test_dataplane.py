@@ -367,3 +367,40 @@ def test_kernels_compiled_equal_interpreted(tmp_path, opt):
         assert r.returncode == 0, r.stderr[-2000:]
         out.append(r.stdout.strip().splitlines()[-1])
     assert out[0] == out[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.integers(1, 40), st.integers(0, 40), st.booleans())
+def test_swap_rows_equals_three_copies(seed, n_up, n_down, reuse):
+    """One placement's records both ways in one call equal the three copies it replaces
+    (victims gathered, rows up, victims written down), where the rows coming up take the
+    victims' device slots and (``reuse``) the victims take the rows' host slots."""
+    from hiermem.dataplane import kernels as K
+
+    rng = np.random.default_rng(seed)
+    D, H, W = 48, 200, 12
+    n_down = min(n_down, n_up) if reuse else n_down
+    dev = rng.standard_normal((D, W)).astype(np.float32)
+    host = rng.standard_normal((H, W)).astype(np.float32)
+    dslots = rng.permutation(D)
+    hslots = rng.permutation(H)
+    dn_src, up_dst = dslots[:n_down], np.concatenate([dslots[:min(n_up, n_down)], dslots[D - max(0, n_up - n_down):]])
+    up_src = hslots[:n_up]
+    dn_dst = up_src[:n_down] if reuse else hslots[n_up:n_up + n_down]
+    want_dev, want_host = dev.copy(), host.copy()
+    down = want_dev[dn_src].copy()
+    want_dev[up_dst] = want_host[up_src]
+    want_host[dn_dst] = down
+    plane = CompiledPlane()
+    tdev = torch.from_numpy(dev)
+
+    class Uniform:  # the host tier's view the plane reads: one record width
+        def kernel_arrays(self):
+            return host, None
+
+    assert plane.swap_rows(tdev, Uniform(), *(a.astype(np.int64) for a in (dn_src, dn_dst, up_src, up_dst))) \
+        == (n_up > 0 and n_down > 0)
+    if n_up and n_down:
+        np.testing.assert_array_equal(dev, want_dev)
+        np.testing.assert_array_equal(host, want_host)
+    assert not TorchPlane().swap_rows(tdev, Uniform(), dn_src, dn_dst, up_src, up_dst)  # the torch plane copies itself

@@ -114,6 +114,8 @@ def _exercise_kernels(part: int | None = None) -> None:
         K.max_abs(grad, 2, 4, 1)
         K.rows_up(dev, host, None, None, np.zeros(0, dtype=i64), np.array([1], dtype=i64), np.array([0], dtype=i64),
                   K.AHEAD)  # a placement's host -> device copy (one record width)
+        K.swap_rows(dev, host, np.array([1], dtype=i64), np.array([2], dtype=i64), np.array([3], dtype=i64),
+                    np.array([1], dtype=i64), np.empty((1, 12), dtype=f32), K.AHEAD)  # ... and both ways at once
         _exercise_host()
 
 

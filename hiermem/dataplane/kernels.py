@@ -415,6 +415,42 @@ def rows_up(dev, host, hoff, hcls, cw, src, dst, ahead):
 
 
 @parallel
+def swap_rows(dev, host, dn_src, dn_dst, up_src, up_dst, tmp, ahead):
+    """The records of a CPU placement whose host tier has one record width, in one call
+    and no torch op: device victims ``dev[dn_src[i]]`` down to ``host[dn_dst[i]]``, host
+    rows ``host[up_src[i]]`` up to ``dev[up_dst[i]]``.  ``dev`` float32 ``[C, W]``,
+    ``host`` float32 ``[H, W]``; index arrays int64; ``tmp`` float32 ``[>= nd, W]``;
+    ``ahead``: prefetch the host record this many rows ahead (0: none).
+
+    Three passes, each finished before the next starts: the victims gathered into
+    ``tmp`` (rows coming up take their device slots), the rows up (their host slots may
+    be the victims' destinations), the victims written down.  Against ``index_select``,
+    ``rows_up`` and ``index_copy_`` (the form it replaces): no intermediate allocated,
+    and the host tier's scattered writes in a compiled loop rather than torch's
+    per-index path (3.2k rows of 64 bytes each way, a 1M-row host tier: ~0.3 -> 0.1 ms)."""
+    W = dev.shape[1]
+    nd = dn_src.size
+    nu = up_src.size
+    for i in prange(nd):
+        s = dn_src[i]
+        for j in range(W):
+            tmp[i, j] = dev[s, j]
+    for i in prange(nu):
+        if ahead and i + ahead < nu:
+            prefetch_row(host, up_src[i + ahead], W * 4)
+        s = up_src[i]
+        d = up_dst[i]
+        for j in range(W):
+            dev[d, j] = host[s, j]
+    for i in prange(nd):
+        if ahead and i + ahead < nd:
+            prefetch_row(host, dn_dst[i + ahead], W * 4)
+        d = dn_dst[i]
+        for j in range(W):
+            host[d, j] = tmp[i, j]
+
+
+@parallel
 def max_abs(x, rows, cols, nt):
     """``(finite, max |x[:rows, :cols]|)`` of float32 ``x [>= rows, >= cols]``, in ``nt``
     parallel parts (a bound on the gradient sums: NaN/inf and overflow are refused before

@@ -111,6 +111,14 @@ class DataPlane(ABC):
         rec = host.read(torch.from_numpy(src), dev.shape[1]).to(dev.device, non_blocking=True)
         dev.index_copy_(0, torch.from_numpy(dst).to(dev.device), rec)
 
+    def swap_rows(self, dev: torch.Tensor, host, dn_src: np.ndarray, dn_dst: np.ndarray, up_src: np.ndarray,
+                  up_dst: np.ndarray) -> bool:
+        """A CPU placement's device victims down (``dev[dn_src[i]]`` to host slot
+        ``dn_dst[i]``) and host rows up (host slot ``up_src[i]`` to ``dev[up_dst[i]]``),
+        in one call; int64 arrays.  False (nothing copied) where the plane has no such
+        form for these tiers: the caller then gathers, copies up and writes down itself."""
+        return False
+
 
 class TorchPlane(DataPlane):
     """Torch ops: the reference, and the plane of CUDA stores (every op on the device)."""
@@ -282,6 +290,20 @@ class CompiledPlane(DataPlane):
         _threads(src.size * W)
         K.rows_up(dev.numpy(), rows, hoff, host.hcls if mixed else None, host.cw if mixed else _NO_I64,
                   np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64), K.AHEAD)
+
+    def swap_rows(self, dev, host, dn_src, dn_dst, up_src, up_dst):
+        """:func:`~hiermem.dataplane.kernels.swap_rows` where the host tier's records are
+        all of the device tier's width (the common case: one optimizer, one dim)."""
+        rows, hoff = host.kernel_arrays()
+        W = dev.shape[1]
+        if dev.device.type != "cpu" or hoff is not None or rows.shape[1] != W or not dn_src.size or not up_src.size:
+            return False
+        _threads((dn_src.size + up_src.size) * W)
+        i64 = np.ascontiguousarray
+        K.swap_rows(dev.numpy(), rows, i64(dn_src, dtype=np.int64), i64(dn_dst, dtype=np.int64),
+                    i64(up_src, dtype=np.int64), i64(up_dst, dtype=np.int64),
+                    np.empty((dn_src.size, W), dtype=np.float32), K.AHEAD)
+        return True
 
     def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
         if store.device.type != "cpu":

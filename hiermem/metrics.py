@@ -125,6 +125,7 @@ def snapshot(store) -> _Snap | None:
         return _Snap([s.name for s in store.tables], store.policy.name, c.table.clone(), c.io.clone(), tiers,
                      disk.count(), (info["last_pgno"] + 1) * psize, disk.map_size,
                      {"lookup": c.lookup_seconds.copy(), "update": c.update_seconds.copy(),
+                      "copy": c.copy_seconds.copy(),
                       "lmdb_read": lmdb_read, "lmdb_write": lmdb_write}, disk_io,
                      {t.tier.label: t.policy.reservoir_builds for t in store.slot_tiers})
 
@@ -178,6 +179,8 @@ _STAT_COUNTERS = (
 _HISTOGRAMS = (
     ("lookup", "hiermem_lookup_duration_seconds", "lookup/lookup_pooled call time (under the store lock)."),
     ("update", "hiermem_update_duration_seconds", "update/update_pooled call time (under the store lock)."),
+    ("copy", "hiermem_copy_duration_seconds",
+     "One placement's record copies between the device and host tiers (on CUDA: issuing them)."),
     ("lmdb_read", "hiermem_lmdb_read_duration_seconds", "One batched LMDB read."),
     ("lmdb_write", "hiermem_lmdb_write_duration_seconds", "One LMDB write transaction (and its sync)."),
 )

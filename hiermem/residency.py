@@ -16,6 +16,8 @@ guards every call.
 
 from __future__ import annotations
 
+import time
+
 from typing import Callable, Sequence
 
 import numpy as np
@@ -157,10 +159,12 @@ class Residency:
         ondev = torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
         was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
         p = Placement(None if bool(ondev.all()) else ondev, slot, was_dev)
+        t0 = time.perf_counter()
         if self.staged.active:
             self.staged.move(ws, res, rec_disk, p, b, extra)
         else:
             self.copy_plan(ws, res, rec_disk)
+        self.counters.copy_seconds.observe(time.perf_counter() - t0)
         return p
 
     def write_back(self, wb: np.ndarray) -> None:

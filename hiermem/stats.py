@@ -107,6 +107,9 @@ class Counters:
         self._io = self.io.numpy()  # the same memory: a bump costs no torch op
         self.lookup_seconds = Histogram()  # lookup and lookup_pooled calls
         self.update_seconds = Histogram()  # update and update_pooled calls
+        # a placement's record copies between tiers (CPU: the copies; CUDA: issuing them
+        # on the side stream, which runs them asynchronously)
+        self.copy_seconds = Histogram()
 
     def bump(self, tier: Tier, stat: Stat, t: torch.Tensor | int, n: int | None = None) -> None:
         """Add ``n`` to table ``t`` (an int), or one per element of tensor ``t``."""

@@ -48,8 +48,9 @@ another core).
 
 Time split (ms/step): ``dense`` = step - the training thread's store calls - ``wait``
 (for the prefetch thread, and at block ends); ``lmdb_read``/``lmdb_write``: the disk
-tier's timers (any thread); ``copies``: bytes moved device<->host over the gather/scatter
-rate measured here (an estimate); ``placement``: store calls (any thread) - copies - the
+tier's timers (any thread); ``copies``: the store's timer around each placement's record
+copies between device and host tiers (any thread; on CUDA the copies run on a side stream
+and this times gathering and issuing them); ``placement``: store calls (any thread) - copies - the
 LMDB time inside them; ``bg``: the prefetch and read-ahead threads' store time.  With
 prefetch the parts overlap and do not add up to the step.  Prefetch and write-behind run as the
 library decides by default (``PrefetchPipeline(background="auto")``,
@@ -181,20 +182,6 @@ def working_set(wl: Workload, batches: list) -> float:
                           for _, f, _ in batches[:50]]))
 
 
-def copy_rate(width: int, rows: int) -> float:
-    """Bytes/s of a random gather + scatter of ``rows`` records (the tiers' record copies)."""
-    src, dst = torch.randn(rows * 8, width), torch.zeros(rows * 4, width)
-    i, j = torch.randint(0, rows * 8, (rows,)), torch.randperm(rows * 4)[:rows]
-    best, end = float("inf"), time.perf_counter() + 1.0
-    for n in range(2000):  # the fastest try in a second (the first ones are slow, many are preempted)
-        t0 = time.perf_counter()
-        dst.index_copy_(0, j, src.index_select(0, i))
-        best = min(best, time.perf_counter() - t0) if n >= 20 else best
-        if t0 > end and n >= 40:
-            break
-    return 2 * rows * width * 4 / best
-
-
 class Trainer:
     """One model + optimizers (dense SGD, and ``emb_opt`` for plain tables); ``step`` trains a batch.
 
@@ -302,7 +289,8 @@ def snapshot(store, pipe) -> dict:
     c = store.counters
     rd, wr = store.disk.durations()
     return {"table": c.table.sum(0).clone(), "io": c.io.clone(),
-            "fg": c.lookup_seconds.sum + c.update_seconds.sum, "read": rd.sum, "write": wr.sum,
+            "fg": c.lookup_seconds.sum + c.update_seconds.sum, "copy": c.copy_seconds.sum, "read": rd.sum,
+            "write": wr.sum,
             "wait": pipe.wait_seconds if pipe else 0.0, "pf": pipe.prefetch_seconds if pipe else 0.0,
             "ra": pipe.read_ahead_seconds if pipe else 0.0}
 
@@ -313,17 +301,17 @@ def device_counts(store) -> tuple[int, int]:
     return int(t[:, Stat.LOOKUPS].sum()), int(t[:, Stat.MISSES].sum())
 
 
-def figures(a: dict, b: dict, steps: int, batch: int, wb: bool, rate: float, seconds: float,
+def figures(a: dict, b: dict, steps: int, batch: int, wb: bool, seconds: float,
             settled: float, inline: bool = False) -> dict:
     """Per-step figures between snapshots ``a`` and ``b``: ``seconds`` of timed steps, of
     which ``settled`` waited at block ends for background work."""
     tab, io = b["table"] - a["table"], b["io"] - a["io"]
-    d = {k: b[k] - a[k] for k in ("fg", "read", "write", "wait", "pf", "ra")}
+    d = {k: b[k] - a[k] for k in ("fg", "copy", "read", "write", "wait", "pf", "ra")}
     d["t"], d["wait"] = seconds, d["wait"] + settled
     hit = {t.label: round(int(tab[t, Stat.HITS]) / max(1, int(tab[t, Stat.LOOKUPS])), 4) for t in STAT_TIERS}
     rows = {"host_to_device": int(tab[Tier.DEVICE, Stat.MISSES]), "device_to_host": int(tab[Tier.DEVICE, Stat.EVICTIONS]),
             "disk_to_host": int(tab[Tier.DISK, Stat.LOOKUPS]), "host_to_disk": int(tab[Tier.HOST, Stat.WRITEBACKS])}
-    copies = int(io[IO.BYTES_HOST_TO_DEVICE] + io[IO.BYTES_DEVICE_TO_HOST]) / rate
+    copies = d["copy"]
     write_in_store = 0.0 if wb else d["write"]
     place = max(0.0, d["fg"] + d["pf"] - copies - max(0.0, d["read"] - d["ra"]) - write_in_store)
     on_thread = d["pf"] + d["ra"] if inline else 0.0  # inline prefetch runs on the training thread
@@ -391,7 +379,7 @@ def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: i
         combines_rows = store.disk.combine.limit if combines(store) else 0
         hs, bs, ws, med, steps, ncommit = timed_blocks(tr, it, store, pipe, ctx["base"], batches, n + n_align, a.steps,
                                                        t_pipe if cold else None)
-        res = figures(s0, snapshot(store, pipe), steps, a.batch, wb_on, ctx["rate"], hs, ws, background == "inline")
+        res = figures(s0, snapshot(store, pipe), steps, a.batch, wb_on, hs, ws, background == "inline")
     finally:
         if pipe is not None:
             pipe.close()
@@ -480,7 +468,7 @@ def template(wl: Workload, plain: PlainEmbeddingBags, tmp: Path) -> Path:
     return ck
 
 
-def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn) -> tuple[dict, float, dict]:
+def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int]) -> tuple[dict, float, dict]:
     """Every configuration of one workload; ({config name: figures}, W, {pair: paired ratio})."""
     n_batches = 2 * a.warmup_cap + max(PAIR_STEPS, WINDOW_CAP) * a.steps + DEPTH + 8  # warm-up, alignment, window
     batches = make_batches(wl, n_batches, a.batch)
@@ -497,8 +485,7 @@ def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int], rate_fn
         ck = template(wl, plain, tmp)  # from the CPU weights, before the baseline moves them
         base = Trainer(plain, len(wl.tables), a.dim, torch.optim.SGD(plain.parameters(), lr=0.05), device=a.device,
                        move_sparse=True)
-        ctx = {"args": a, "batches": batches, "tmp": tmp, "ck": ck, "base": base,
-               "rate": rate_fn(wl.tables[0].dim)}
+        ctx = {"args": a, "batches": batches, "tmp": tmp, "ck": ck, "base": base}
         print(f"  LMDB template of {total} rows: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         out[f"{wl.name}/device"] = run_config(ctx, wl, f"{wl.name}/device", total + 1024, 1024, 0, preload=True)
         for m in sizes:
@@ -721,12 +708,10 @@ def main(argv=None) -> int:
           f"{min(alphas):.2f}..{max(alphas):.2f}); real head "
           + (f"(criteo-dac-head8k, 7,200 rows): top 1% of ids take {real:.0%}" if real is not None else "absent"),
           file=sys.stderr)
-    rate = {}
-    rate_fn = lambda d: rate.setdefault(d, copy_rate(d, 8192))  # noqa: E731
     res, Ws, pairs = {}, {}, {}
     for wl in wls:
         a.cold = wl is wls[0] or not a.quick  # quick: cold start and write-behind on the first only
-        out, Ws[wl.name], pr = run_workload(a, wl, sizes, wb_sizes if a.cold else [], rate_fn)
+        out, Ws[wl.name], pr = run_workload(a, wl, sizes, wb_sizes if a.cold else [])
         res.update(out)
         pairs.update(pr)
     print_table(res)

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             tr.step(next(it))
         bt.settle(store, pipe)
         t_ours = time.perf_counter() - t0
-        f = bt.figures(s0, bt.snapshot(store, pipe), a.steps, batch, False, 1e30, t_ours, 0.0)
+        f = bt.figures(s0, bt.snapshot(store, pipe), a.steps, batch, False, t_ours, 0.0)
         t0 = time.perf_counter()
         for b in batches[a.warmup + a.steps:a.warmup + 2 * a.steps]:
             base.step(b)

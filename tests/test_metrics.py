@@ -91,6 +91,7 @@ def test_counters_after_a_scripted_sequence(tmp_path):
     assert v("hiermem_store_info", policy="lru") == 1
     assert v("hiermem_lookup_duration_seconds_count") == 4
     assert v("hiermem_update_duration_seconds_count") == 1
+    assert v("hiermem_copy_duration_seconds_count") == 4  # every placement that moved rows (all four lookups)
     assert v("hiermem_lmdb_read_duration_seconds_count") == 4  # every lookup with rows off memory
     assert v("hiermem_lmdb_write_duration_seconds_count") == 2  # layout at creation, the write-back
     assert v("hiermem_lmdb_read_duration_seconds_bucket", le="+Inf") == 4

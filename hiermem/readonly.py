@@ -42,12 +42,12 @@ from .optim import optimizer_from_dict
 from .batches import dedup
 from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK, READERS as _READERS
 from .rows import initial_records
-from .tiers.disk import META_KEY, DiskTier, decode_keys, id_keys, key_list, parse_meta
+from .tiers.disk import META_KEY, DiskTier, id_keys, key_list, parse_meta
+from .tiers.records import concat_records, table_records
 from .types import TableSpec
 
 _WRITES = ("update", "update_with_row_stat", "write", "flush", "checkpoint", "import_records", "clear",
            "update_bags", "prefetch", "record")
-EXPORT_CHUNK = 1 << 16  # records converted per step of an export
 
 
 class ReadOnlyStore:
@@ -189,14 +189,8 @@ class ReadOnlyStore:
         with self._lock:
             self._check_open()
             ti = self.table_index(table)
-            ids, rec = [], []
-            for i, r in self.iter_export(ti):
-                ids.append(i)
-                rec.append(r)
-            w = self.widths[ti]
-            if not ids:
-                return torch.empty(0, dtype=torch.int64), torch.empty((0, w), dtype=torch.float32)
-            return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(rec))
+            ids, rec = concat_records(list(self.iter_export(ti)), self.widths[ti])
+            return torch.from_numpy(ids), torch.from_numpy(rec)
 
     def iter_export(self, ti: int, count: list | None = None):
         """``(ids int64 [m], records float32 [m, width])`` chunks of table ``ti`` in id
@@ -211,22 +205,7 @@ class ReadOnlyStore:
                 count.append(txn.stat(db)["entries"] if db is not None else 0)
             if db is None:
                 return
-            keys, vals = [], []
-            for k, v in txn.cursor(db=db):
-                keys.append(k)
-                vals.append(v)
-                if len(keys) == EXPORT_CHUNK:
-                    yield self._chunk(ti, keys, vals, w)
-                    keys, vals = [], []
-            if keys:
-                yield self._chunk(ti, keys, vals, w)
-
-    def _chunk(self, ti: int, keys: list, vals: list, w: int) -> tuple[np.ndarray, np.ndarray]:
-        raw = b"".join(vals)
-        if len(raw) != len(vals) * w * 4:
-            raise StoreFormatError(self.path, f"corrupt store: table {ti} records are not {w} floats")
-        ids = decode_keys(b"".join(keys)).astype(np.int64)
-        return ids, np.frombuffer(raw, dtype="<f4").reshape(len(keys), w).astype(np.float32)
+            yield from table_records(self.path, txn, db, ti, w)
 
     def stats(self) -> dict:
         """What this handle has read, and the flush number of its last snapshot."""

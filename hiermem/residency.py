@@ -28,7 +28,7 @@ from .core import plan as _plan
 from .core.index import make_index
 from .dataplane import DataPlane
 from .dataplane.staging import to_host
-from .errors import CapacityError
+from .errors import CapacityError, HierMemError
 from .eviction import PolicySpec
 from .staged import StagedPath
 from .stats import IO, Counters
@@ -298,6 +298,35 @@ class Residency:
         out[g >= self.host.base] = int(Tier.HOST)
         out[(g >= 0) & (g < self.dev.capacity)] = int(Tier.DEVICE)
         return out
+
+    def dirty_rows(self) -> tuple[Rows, list]:
+        """Every dirty resident row (CPU records), for a flush; and ``parts``, which
+        :meth:`mark_clean` takes once they are written."""
+        self.staged.settle_host()
+        parts = [(tier, tier.dirty.nonzero().squeeze(1)) for tier in self.tiers]
+        rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.read(s, self.width).cpu(), tier.dirty[s].cpu())
+                for tier, s in parts]
+        return Rows(*(torch.cat([getattr(r, f) for r in rows]) for f in ("t", "k", "rec", "dirty"))), parts
+
+    @staticmethod
+    def mark_clean(parts: list) -> None:
+        """The rows of :meth:`dirty_rows` are in LMDB now."""
+        for tier, s in parts:
+            tier.dirty[s] = False
+
+    def clear(self, wipe_disk: Callable[[], None]) -> None:
+        """Forget every row: ``wipe_disk()`` empties LMDB, then the tiers and the index are
+        emptied.  Raises HierMemError while a prefetch pins rows, and whatever
+        ``wipe_disk`` raises; either way nothing changed (the resident rows, dirty ones
+        too, are kept until LMDB is empty)."""
+        for tier in self.tiers:
+            if bool((tier.pins[tier.occupied()] > 0).any()):
+                raise HierMemError("cannot clear a store with pinned rows (a prefetch is in flight)")
+        wipe_disk()
+        for tier in self.tiers:
+            self.keys.remove_slots(tier.g(tier.occupied()))
+            tier.clear()
+        self.epoch += 1
 
     def occupancy(self, ntables: int) -> dict[Tier, list[int]]:
         """Rows resident per tier and table."""

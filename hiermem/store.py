@@ -43,8 +43,7 @@ from .checkpoint import Checkpoints, restore as restore_checkpoint
 from .storemeta import OVERRIDABLE, saved_config, saved_counters
 from .stats import IO, Counters, store_stats, timed
 from .tiers import DiskTier, SlotTier
-from .tiers.disk import decode_keys
-from .tiers.slots import Rows, by_table
+from .tiers.slots import by_table
 from .types import StoreConfig, TableSpec
 
 from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK  # noqa: E402
@@ -213,18 +212,7 @@ class HierarchicalStore:
         return validate.check_ids(self.tables[ti], ids)
 
     def _values(self, ti: int, n: int, values, what: str, check_finite: bool = True) -> torch.Tensor:
-        dim = self.tables[ti].dim
-        if not isinstance(values, torch.Tensor):
-            raise InvalidTypeError(f"{what} must be a torch.Tensor, got {type(values).__name__}")
-        if not values.is_floating_point():
-            raise InvalidTypeError(f"{what} must be floating point, got {values.dtype}")
-        if tuple(values.shape) != (n, dim):
-            raise InvalidArgumentError(f"{what} of table {self.tables[ti].name} must have shape "
-                                       f"{(n, dim)}, got {tuple(values.shape)}")
-        values = values.detach().to(self.device, torch.float32)
-        if check_finite and n and not bool(torch.isfinite(values).all()):
-            raise NonFiniteGradientError(f"{what} of table {self.tables[ti].name} contain NaN or inf; nothing changed")
-        return values
+        return validate.check_values(self.tables[ti], n, values, what, self.device, check_finite)
 
     def _batch(self, ti: int, ids: torch.Tensor) -> Batch:
         k, inverse, counts, lastpos, perm, starts = dedup(ids)
@@ -743,22 +731,14 @@ class HierarchicalStore:
         with self._lock:
             self._check_open()
             self._staged_path.check_deferred()
-            self._staged_path.settle_host()
-            parts = []
-            for tier in self._res.tiers:
-                s = tier.dirty.nonzero().squeeze(1)
-                parts.append((tier, s))
-            rows = [Rows(tier.keys_t[s].cpu(), tier.keys_k[s].cpu(), tier.read(s, self.width).cpu(),
-                         tier.dirty[s].cpu()) for tier, s in parts]
-            allrows = Rows(*(torch.cat([getattr(r, f) for r in rows]) for f in ("t", "k", "rec", "dirty")))
+            allrows, parts = self._res.dirty_rows()
             self._flush_seq += 1  # the number read-only handles report (recorded with the rows)
             try:
                 self._res.write_down(allrows, meta=True, sync=True)
             except BaseException:
                 self._flush_seq -= 1
                 raise
-            for tier, s in parts:
-                tier.dirty[s] = False
+            self._res.mark_clean(parts)
             self.counters.add_io(IO.FLUSHES, 1)
             self.counters.add_io(IO.FLUSHED_ROWS, len(allrows))
 
@@ -865,17 +845,8 @@ class HierarchicalStore:
             self._check_open()
             ti = self.table_index(table)
             self.flush()
-            w = self.widths[ti]
-            keys, vals = [], []
-            db = self._disk.table_database(ti)  # None: nothing of the table was ever written
-            if db is not None:
-                with self._disk.env.begin(db=db, buffers=False) as txn:
-                    for k, v in txn.cursor():
-                        keys.append(k)
-                        vals.append(v)
-            ids = decode_keys(b"".join(keys)).astype(np.int64)
-            rec = np.frombuffer(b"".join(vals), dtype="<f4").reshape(len(keys), w)
-            return torch.from_numpy(ids.copy()), torch.from_numpy(rec.copy())
+            ids, rec = self._disk.committed_records(ti, self.widths[ti])
+            return torch.from_numpy(ids), torch.from_numpy(rec)
 
     def import_records(self, table: str, ids: torch.Tensor, records: torch.Tensor) -> None:
         """Set whole records ``[n, width]`` (weights and optimizer state) of rows.
@@ -912,16 +883,8 @@ class HierarchicalStore:
         """Forget every row: all tables return to their initial values (LMDB emptied)."""
         with self._lock:
             self._check_open()
-            for tier in self._res.tiers:
-                occ = tier.occupied()
-                if bool((tier.pins[occ] > 0).any()):
-                    raise HierMemError("cannot clear a store with pinned rows (a prefetch is in flight)")
-            for tier in self._res.tiers:
-                self._keys.remove_slots(tier.g(tier.occupied()))
-                tier.clear()
-            self._res.epoch += 1
+            self._res.clear(lambda: self._disk.clear_rows(meta=self._meta()))  # a failed wipe changes nothing
             self._memo = self._multi_memo = None
-            self._disk.clear_rows(meta=self._meta())
 
     @property
     def closed(self) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 from .dataplane.batch import minmax
 from .dataplane.staging import to_host
-from .errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, UnknownTableError
+from .errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, NonFiniteGradientError, UnknownTableError
 from .types import TableSpec
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # the ids a caller may give
@@ -67,3 +67,26 @@ def check_ids(spec: TableSpec, ids) -> torch.Tensor:
             rng = f"[0, {spec.num_rows})" if spec.num_rows is not None else "[0, 2**63)"
             raise InvalidIdError(f"table {spec.name}: id {bad} outside {rng}")
     return ids
+
+
+def check_values(spec: TableSpec, n: int, values, what: str, device: torch.device,
+                 check_finite: bool = True) -> torch.Tensor:
+    """``values`` (weights or gradients of ``n`` rows of table ``spec``, ``[n, dim]``
+    floating point) as float32 on ``device``.
+
+    Raises:
+        InvalidTypeError: not a floating-point tensor.
+        InvalidArgumentError: not of shape ``[n, dim]``.
+        NonFiniteGradientError: NaN or inf (with ``check_finite``).
+    """
+    if not isinstance(values, torch.Tensor):
+        raise InvalidTypeError(f"{what} must be a torch.Tensor, got {type(values).__name__}")
+    if not values.is_floating_point():
+        raise InvalidTypeError(f"{what} must be floating point, got {values.dtype}")
+    if tuple(values.shape) != (n, spec.dim):
+        raise InvalidArgumentError(f"{what} of table {spec.name} must have shape {(n, spec.dim)}, "
+                                   f"got {tuple(values.shape)}")
+    values = values.detach().to(device, torch.float32)
+    if check_finite and n and not bool(torch.isfinite(values).all()):
+        raise NonFiniteGradientError(f"{what} of table {spec.name} contain NaN or inf; nothing changed")
+    return values

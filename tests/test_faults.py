@@ -174,11 +174,12 @@ OPS = {
     "update": lambda s: s.update("h", FRESH, torch.ones(20, 3)),
     "write": lambda s: s.write("b", torch.arange(40, 60), torch.zeros(20, 4)),
     "lookup_pooled": lambda s: s.lookup_pooled("h", FRESH, torch.tensor([0, 5])),
+    "clear": lambda s: s.clear(),
 }
 
 
 @pytest.mark.parametrize("disk_full", [False, True], ids=["eio", "eio-disk-full"])
-@pytest.mark.parametrize("op", ["flush", "lookup", "update", "write"])
+@pytest.mark.parametrize("op", ["flush", "lookup", "update", "write", "clear"])
 def test_eio_on_commit_is_typed_and_changes_nothing(pair, monkeypatch, op, disk_full):
     """LMDB reports a failed write as EIO: with room on the disk that is an LMDB write
     failure (HierMemError), on a full disk it is DiskFullError; either way nothing changed."""
@@ -486,3 +487,30 @@ def test_good_criteo_lines_parse_exactly():
     assert dense[0].tolist() == np.log1p(np.array(list(range(12)) + [0], dtype=np.float64)).astype(np.float32).tolist()
     assert dense[1, 5] == 0.0  # negative integers clip at 0 before log1p
     assert cats[0, :25].tolist() == [0x68FD1E64] * 25 and cats[0, 25] == -1
+
+
+def test_record_of_the_wrong_width_is_a_typed_error(closed_store):
+    """A table's record cut short on disk: the store's export, a lookup of that row and a
+    read-only export each raise StoreFormatError naming the store, not numpy's error."""
+    from hiermem.tiers.records import id_keys, table_db
+
+    d, _ = closed_store
+    env = lmdb.open(str(d), max_dbs=16, subdir=True)
+    try:
+        db = env.open_db(table_db(0), integerkey=True, create=False)
+        with env.begin(write=True, db=db) as txn:
+            key = next(iter(txn.cursor().iternext(values=False)))
+            txn.put(key, b"\0" * 12)  # 3 floats where the table's records are wider
+        bad = int(np.frombuffer(key, dtype=id_keys(np.zeros(1, dtype=np.int64)).dtype)[0])
+    finally:
+        env.close()
+    s = hm.HierarchicalStore.open(d)
+    try:
+        for op in (lambda: s.export(TABLES[0].name), lambda: s.lookup(TABLES[0].name, torch.tensor([bad]))):
+            with pytest.raises(hm.StoreFormatError) as ei:
+                op()
+            assert str(d) in str(ei.value) and "records are not" in str(ei.value)
+    finally:
+        s.close()
+    with hm.HierarchicalStore.open(d, readonly=True) as r, pytest.raises(hm.StoreFormatError):
+        r.export(TABLES[0].name)

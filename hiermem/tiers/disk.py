@@ -44,8 +44,8 @@ from .mapgrow import (PREALLOCATING_FILESYSTEMS, WRITEMAP_INITIAL, _round_up,  #
                       filesystem_type, grow_map, preallocate, writemap_safe, writemap_size)
 from .read_ahead import AHEAD_BATCHES, ReadAhead, _Ahead  # noqa: F401
 from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY,  # noqa: F401
-                      ROWS_DB_V1, _check_lmdb_file, decode_keys, id_keys, key_list, meta_bytes, parse_meta, refuse_v1,
-                      table_db, table_of_db, value_list)
+                      ROWS_DB_V1, _check_lmdb_file, concat_records, decode_keys, id_keys, key_list, meta_bytes,
+                      parse_meta, refuse_v1, table_db, table_of_db, table_records, value_list)
 from .slots import table_groups
 from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
 from .combine import WriteCombiner
@@ -246,6 +246,17 @@ class DiskTier:
         of this thread may be open)."""
         for t in range(n):
             self.table_database(t, create=True)
+
+    def committed_records(self, table: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every record of table ``table`` committed to LMDB, in id order, from one read
+        transaction: ``(ids int64 [n], records float32 [n, width])`` (rows held for a
+        combined commit are not there yet: flush first).  Raises StoreFormatError on a
+        record of another width."""
+        db = self.table_database(table)  # None: nothing of the table was ever written
+        if db is None:
+            return concat_records([], width)
+        with self.env.begin(buffers=False) as txn:
+            return concat_records(list(table_records(self.path, txn, db, table, width)), width)
 
     def table_database(self, table: int, create: bool = False):
         """Table ``table``'s sub-database (made when ``create``), or None where it has none

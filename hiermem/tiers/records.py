@@ -63,6 +63,43 @@ def decode_keys(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=KEY_DTYPE)
 
 
+EXPORT_CHUNK = 1 << 16  # records converted per step of a table's export
+
+
+def table_records(path, txn, db, table: int, width: int, chunk: int = EXPORT_CHUNK):
+    """Every record of table ``table`` (its sub-database ``db``) in the read transaction
+    ``txn`` (opened with ``buffers=False``), in id order: ``(ids int64 [m], records
+    float32 [m, width])`` chunks of at most ``chunk`` rows.
+
+    Raises:
+        StoreFormatError: a value is not ``width`` little-endian floats (a corrupt store).
+    """
+    keys, vals = [], []
+    for k, v in txn.cursor(db=db):
+        keys.append(k)
+        vals.append(v)
+        if len(keys) == chunk:
+            yield _chunk(path, table, keys, vals, width)
+            keys, vals = [], []
+    if keys:
+        yield _chunk(path, table, keys, vals, width)
+
+
+def _chunk(path, table: int, keys: list, vals: list, width: int) -> tuple[np.ndarray, np.ndarray]:
+    raw = b"".join(vals)
+    if len(raw) != len(vals) * width * 4:
+        raise StoreFormatError(path, f"corrupt store: table {table} records are not {width} floats")
+    ids = decode_keys(b"".join(keys)).astype(np.int64)
+    return ids, np.frombuffer(raw, dtype="<f4").reshape(len(keys), width).astype(np.float32)
+
+
+def concat_records(chunks: list, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks of :func:`table_records` as one ``(ids, records)`` pair."""
+    if not chunks:
+        return np.empty(0, dtype=np.int64), np.empty((0, width), dtype=np.float32)
+    return np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks])
+
+
 def value_list(rec: np.ndarray) -> list[bytes]:
     """Records ``[n, w]`` as a list of ``4 * w``-byte little-endian float32 values."""
     rec = np.ascontiguousarray(rec, dtype="<f4")

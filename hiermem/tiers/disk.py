@@ -45,7 +45,7 @@ from .mapgrow import (PREALLOCATING_FILESYSTEMS, WRITEMAP_INITIAL, _round_up,  #
 from .read_ahead import AHEAD_BATCHES, ReadAhead, _Ahead  # noqa: F401
 from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY,  # noqa: F401
                       ROWS_DB_V1, _check_lmdb_file, concat_records, decode_keys, id_keys, key_list, meta_bytes,
-                      parse_meta, refuse_v1, table_db, table_of_db, table_records, value_list)
+                      parse_meta, parse_values, refuse_v1, table_db, table_of_db, table_records, value_list)
 from .slots import table_groups
 from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
 from .combine import WriteCombiner
@@ -481,9 +481,7 @@ class DiskTier:
         if not res:
             return
         raw = b"".join(map(_VALUE, res))
-        if len(raw) != len(res) * width * 4:
-            raise StoreFormatError(self.path, f"corrupt store: table {table} records are not {width} floats")
-        rec = np.frombuffer(raw, dtype="<f4").reshape(len(res), width)
+        rec = parse_values(self.path, table, raw, len(res), width)
         if len(res) == len(sids):  # every row found (the usual case): no key to match
             pos = slice(None) if order is None else order
         else:

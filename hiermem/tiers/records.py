@@ -87,10 +87,17 @@ def table_records(path, txn, db, table: int, width: int, chunk: int = EXPORT_CHU
 
 def _chunk(path, table: int, keys: list, vals: list, width: int) -> tuple[np.ndarray, np.ndarray]:
     raw = b"".join(vals)
-    if len(raw) != len(vals) * width * 4:
-        raise StoreFormatError(path, f"corrupt store: table {table} records are not {width} floats")
     ids = decode_keys(b"".join(keys)).astype(np.int64)
-    return ids, np.frombuffer(raw, dtype="<f4").reshape(len(keys), width).astype(np.float32)
+    return ids, parse_values(path, table, raw, len(vals), width).astype(np.float32)
+
+
+def parse_values(path, table: int, raw: bytes, n: int, width: int) -> np.ndarray:
+    """``n`` records of table ``table`` joined in ``raw`` as a read-only float32 view
+    ``[n, width]``.  Raises StoreFormatError (naming ``path``) when ``raw`` is not ``n``
+    records of ``width`` floats: a corrupt store."""
+    if len(raw) != n * width * 4:
+        raise StoreFormatError(path, f"corrupt store: table {table} records are not {width} floats")
+    return np.frombuffer(raw, dtype="<f4").reshape(n, width)
 
 
 def concat_records(chunks: list, width: int) -> tuple[np.ndarray, np.ndarray]:

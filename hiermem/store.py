@@ -883,8 +883,10 @@ class HierarchicalStore:
         """Forget every row: all tables return to their initial values (LMDB emptied)."""
         with self._lock:
             self._check_open()
-            self._res.clear(lambda: self._disk.clear_rows(meta=self._meta()))  # a failed wipe changes nothing
+            # LMDB emptied first: a wipe that fails changes nothing; then the tiers forget
+            self._res.clear(lambda: self._disk.clear_rows(meta=self._meta(), sync=False))
             self._memo = self._multi_memo = None
+            self._disk.sync()  # a failed fsync raises with the store cleared all the same
 
     @property
     def closed(self) -> bool:

@@ -842,6 +842,35 @@ def test_injected_enospc_raises_disk_full_and_changes_nothing(tmp_path, dirty_st
         s.close()
 
 
+@pytest.mark.parametrize("fail_sync", [False, True], ids=["commit", "sync"])
+def test_injected_enospc_in_clear(tmp_path, dirty_store, fail_sync):
+    """A clear whose commit fails changes nothing (dirty rows included); one whose fsync
+    fails has cleared all the same, LMDB and the tiers agreeing (every row reads its
+    initial value), and survives a reopen."""
+    s = dirty_store(tmp_path / "store")
+    twin = dirty_store(tmp_path / "twin")
+    before = snapshot(twin)
+    twin.clear()
+    cleared = snapshot(twin)
+    twin.close()
+    real = s._disk.env
+    s._disk.env = _FullEnv(real, fail_sync=fail_sync)
+    try:
+        with pytest.raises(hm.DiskFullError):
+            s.clear()
+    finally:
+        s._disk.env = real
+    want = cleared if fail_sync else before
+    assert_same(snapshot(s), want)
+    s.audit()
+    s.close()
+    s = hm.HierarchicalStore.open(tmp_path / "store")
+    try:
+        assert_same(snapshot(s), want)
+    finally:
+        s.close()
+
+
 def test_injected_enospc_update_does_not_advance_adam_step(tmp_path, dirty_store):
     """A failed update must not count as an optimizer step (Adam's bias correction)."""
     a = dirty_store(tmp_path / "a")

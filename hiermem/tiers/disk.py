@@ -735,8 +735,9 @@ class DiskTier:
                 if not isinstance(err, StoreIOError) or failures >= COMMIT_ATTEMPTS:
                     raise err from e
 
-    def clear_rows(self, meta: dict | None = None) -> None:
-        """Delete every row (one transaction), keeping the environment and its metadata."""
+    def clear_rows(self, meta: dict | None = None, sync: bool = True) -> None:
+        """Delete every row (one transaction), keeping the environment and its metadata;
+        then sync it to disk (without ``sync``: the caller calls :meth:`sync`)."""
         self.drain()
         meta_raw = None if meta is None else self._meta_bytes(meta)
 
@@ -750,7 +751,8 @@ class DiskTier:
         if self.combine is not None:
             self.combine.clear()
         self.ahead.clear()
-        self.sync()
+        if sync:
+            self.sync()
 
     def sync(self) -> None:
         """Force committed data to disk (flush, checkpoint); first clear the reader slots of

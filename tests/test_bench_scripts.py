@@ -110,3 +110,35 @@ def test_the_replay_floor_is_an_exact_lru():
             else:
                 c[i] = True
         assert bs._floor_lru(ids, 500, cap) == hits
+
+
+def test_bench_lmdb_native_runs_the_same_steps_in_c_and_py_lmdb(tmp_path):
+    """The steps file the C loop reads holds each step's (table, id) pairs, sorted and
+    distinct; where the C loop builds (cc and liblmdb-dev), both loops run every step on
+    the environment it fills, else the script names what is missing."""
+    nat = _load("bench_lmdb_native")
+    steps = nat.draw_steps(np.random.default_rng(3), 3, 500, 100, 4)
+    nat.write_ids(tmp_path / "ids", steps)
+    raw = np.fromfile(tmp_path / "ids", dtype="<i8")
+    assert raw[0] == 4
+    at = 1
+    for step in steps:
+        n = int(raw[at])
+        pairs = raw[at + 1:at + 1 + 2 * n].reshape(n, 2)
+        at += 1 + 2 * n
+        assert n == 100 and len({tuple(p) for p in pairs.tolist()}) == n
+        assert pairs.tolist() == sorted(pairs.tolist()) and pairs[:, 1].max() < 500
+        assert [t for t, _ in step] == sorted(set(pairs[:, 0].tolist()))
+    assert at == raw.size
+    exe, why = nat.build(tmp_path)
+    if exe is None:
+        assert why
+        return
+    env = tmp_path / "env"
+    env.mkdir()
+    import subprocess
+
+    subprocess.run([str(exe), "fill", str(env), "3", "500", "64"], check=True)
+    c = nat.native(exe, env, 3, 64, tmp_path / "ids", tmp_path / "times")
+    py = nat.py_lmdb(env, 3, 64, steps)
+    assert c.shape == py.shape == (4, 2) and (c > 0).all() and (py > 0).all()

@@ -255,8 +255,8 @@ class DiskTier:
         db = self.table_database(table)  # None: nothing of the table was ever written
         if db is None:
             return concat_records([], width)
-        with self.env.begin(buffers=False) as txn:
-            return concat_records(list(table_records(self.path, txn, db, table, width)), width)
+        return self.snapshot_read(lambda txn: concat_records(list(table_records(self.path, txn, db, table, width)),
+                                                             width), "export")
 
     def table_database(self, table: int, create: bool = False):
         """Table ``table``'s sub-database (made when ``create``), or None where it has none

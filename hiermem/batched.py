@@ -251,14 +251,23 @@ class Prefetches:
     Args:
         res: the store's placement engine.
         counters: the store's counters (prefetch requests, hits, degraded, revoked).
+        multi: the store's validation and dedup of multi-table batches.
     """
 
-    def __init__(self, res: Residency, counters: Counters):
-        self.res, self.counters = res, counters
+    def __init__(self, res: Residency, counters: Counters, multi: MultiIds):
+        self.res, self.counters, self.multi = res, counters, multi
         self.live: list[Ticket] = []  # pinned, not yet released
         self.soon: tuple[torch.Tensor, torch.Tensor] | None = None  # rows of the next batches (lookahead)
 
     # -- lookahead ----------------------------------------------------------------------
+    def set_soon(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
+        """The rows ``ids`` of ``tables`` (validated, deduplicated) as the next batches'."""
+        t, k = self.multi.ids(tables, ids)
+        if k.numel():
+            b = self.multi.batch(t, k)
+            t, k = b.t, b.k
+        self.soon = (t, k)
+
     def mark_soon(self) -> None:
         """Tell the policies which resident rows the next batches use (then forget them)."""
         t, k = self.soon

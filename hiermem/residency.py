@@ -276,6 +276,29 @@ class Residency:
             tier.write(slots, r.to(tier.device))
             tier.dirty[cslots] = True
 
+    def overwrite(self, ti: int, b: Batch, rec: torch.Tensor) -> None:
+        """Set the records ``rec [U, w]`` (CPU) of the distinct rows ``b`` of table ``ti``
+        where they are: resident rows in their slots (marked dirty), the others straight
+        to LMDB in one transaction.  No row changes tier."""
+        g = self.keys.find(b.t, b.k)
+        res = g >= 0
+        out = (~res).nonzero().squeeze(1)
+        if out.numel():
+            self.disk.write([(ti, b.k[out].cpu().numpy(), rec[out].cpu().numpy())], meta=self._meta())
+        ri = res.nonzero().squeeze(1)
+        if ri.numel():
+            sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
+            self.scatter(self.locate(sub), rec.index_select(0, ri))
+
+    def not_resident(self, b: Batch) -> list[tuple[int, np.ndarray, int]]:
+        """The rows of ``b`` in neither slot tier, as ``(table, ids, width)`` groups (a
+        read-ahead's LMDB reads)."""
+        miss = self.keys.find(b.t, b.k) < 0
+        if not bool(miss.any()):
+            return []
+        mt, mk = b.t[miss].cpu(), b.k[miss].cpu().numpy()
+        return [(ti, mk[m], self.widths[ti]) for ti, m in by_table(mt.numpy())]
+
     def locate(self, b):
         """Placement of resident rows without moving anything (None if one is not resident)."""
         g = self.keys.find(b.t, b.k)  # CPU: no device sync

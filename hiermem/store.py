@@ -27,23 +27,21 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .errors import (CapacityError, HierMemError, InvalidArgumentError, InvalidTypeError,
-                     LayoutMismatchError, NonFiniteGradientError, StoreClosedError)
+from .errors import HierMemError, InvalidArgumentError, LayoutMismatchError, NonFiniteGradientError, StoreClosedError
 from .eviction import resolve_policy
 from .rows import initial_records
 from .overlap import resolve_write_behind
 from .optim import Optimizer
 from .dataplane import DataPlane, default_plane, plane_named
-from .dataplane.batch import tables_present
 from .batches import Batch, Placement, dedup
-from .batched import MultiIds, Prefetches, Ticket, BagMemo, bags_of, offsets_of, ticket_batch
+from .batched import MultiIds, Prefetches, Ticket, bags_of, offsets_of
+from .bags import BagOps
 from .residency import Residency
 from . import locks, validate
 from .checkpoint import Checkpoints, restore as restore_checkpoint
 from .storemeta import OVERRIDABLE, saved_config, saved_counters
 from .stats import IO, Counters, store_stats, timed
 from .tiers import DiskTier, SlotTier
-from .tiers.slots import by_table
 from .types import StoreConfig, TableSpec
 
 from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK  # noqa: E402
@@ -61,24 +59,12 @@ class HierarchicalStore:
     """
 
     def __init__(self, tables: Sequence[TableSpec], config: StoreConfig):
-        if not isinstance(config, StoreConfig):
-            raise InvalidTypeError("config must be a hiermem.StoreConfig")
-        tables = list(tables)
-        if not tables or not all(isinstance(s, TableSpec) for s in tables):
-            raise InvalidArgumentError("tables must be a non-empty sequence of TableSpec")
-        names = [s.name for s in tables]
-        if len(set(names)) != len(names):
-            raise InvalidArgumentError(f"duplicate table names in {names}")
+        tables = validate.check_store_args(tables, config)
         self.config = config
-        self.tables: tuple[TableSpec, ...] = tuple(tables)
+        self.tables: tuple[TableSpec, ...] = tables
         self._index = {s.name: i for i, s in enumerate(tables)}
         self.optimizer: Optimizer = config.optimizer
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise InvalidArgumentError("device='cuda' but CUDA is not available")
-            if self.device.index is None:  # tensors report cuda:N; compare like with like
-                self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = validate.store_device(config.device)
         self.policy = resolve_policy(config.policy)
         self.widths = [s.dim + self.optimizer.state_width(s.dim) for s in tables]
         self.width = max(self.widths)
@@ -119,8 +105,8 @@ class HierarchicalStore:
         self._recorder = None  # a hiermem.sim.trace.TraceRecorder while recording
         self.max_dim = max(s.dim for s in tables)
         self._multi = MultiIds(self.tables, self.device)  # validation and dedup of multi-table batches
-        self._multi_memo: BagMemo | None = None  # last lookup_bags, reused by update_bags
-        self._prefetches = Prefetches(self._res, self._counters)  # prefetch tickets, pins, lookahead
+        self._prefetches = Prefetches(self._res, self._counters, self._multi)  # prefetch tickets, pins, lookahead
+        self._bags = BagOps(self, self._multi, self._prefetches, self._place, self._steps)  # lookup_bags, update_bags
         self._closed = False
         if config.trace_path is not None:
             self.record(config.trace_path)
@@ -337,14 +323,8 @@ class HierarchicalStore:
         no-op for other policies.
         """
         with self._lock:
-            if not self.wants_lookahead:
-                return
-            t, k = self._multi.ids(tables, ids)
-            if k.numel() == 0:
-                self._prefetches.soon = (t, k)
-                return
-            b = self._multi.batch(t, k)
-            self._prefetches.soon = (b.t, b.k)
+            if self.wants_lookahead:
+                self._prefetches.set_soon(tables, ids)
 
     def read_ahead(self, tables: torch.Tensor, ids: torch.Tensor, keep: int | None = None) -> int:
         """Read from LMDB the records of an upcoming batch's rows that are not resident,
@@ -362,12 +342,9 @@ class HierarchicalStore:
             return 0
         with self._lock:
             self._check_open()
-            miss = self._keys.find(b.t, b.k) < 0
-            if not bool(miss.any()):
+            groups = self._res.not_resident(b)
+            if not groups:
                 return 0
-            mt, mk = b.t[miss].cpu(), b.k[miss].cpu()
-            mk_np = mk.numpy()
-            groups = [(ti, mk_np[m], self.widths[ti]) for ti, m in by_table(mt.numpy())]
             token = self._disk.begin_read_ahead()
         return self._disk.read_ahead(groups, token, keep=keep)
 
@@ -468,30 +445,7 @@ class HierarchicalStore:
         """
         with self._lock:
             self._check_open()
-            b = ticket_batch(ticket, tables, ids)
-            if b is None:
-                t, k = self._multi.ids(tables, ids)
-            n = k.numel() if b is None else b.n
-            offsets_in = offsets
-            offsets = offsets_of(n, offsets)
-            bag, scale = bags_of(n, offsets, mode, per_sample_weights, self.device)
-            D = self.max_dim
-            if n == 0:
-                return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=self.device)
-            prefetched = b is not None
-            b = self._multi.batch(t, k) if b is None else b
-            extra = self._staged_path.extras(b, offsets, bag, scale)
-            if prefetched and ticket.pinned and not ticket.released and ticket.slots is not None:
-                # pinned on the device by its prefetch: rows stay put
-                self.counters.add_io(IO.PREFETCH_HITS, n)
-                p = Placement(None, ticket.slots)
-            else:
-                p = self._prefetches.place_batch(b, ticket, extra, self._place)
-            self._staged_path.staged(b, p, extra)  # the plan's, the placement's and the step's arrays: one copy
-            self._multi_memo = BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode,
-                                        per_sample_weights, b, p, self._res.epoch, ticket, bag, scale, offsets.numel())
-            return self.plane.pool(self, p, b.inverse, offsets, n, D, mode,
-                                   None if per_sample_weights is None else scale)
+            return self._bags.lookup(tables, ids, offsets, mode, per_sample_weights, ticket)
 
     @timed("update_seconds")
     def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
@@ -511,56 +465,7 @@ class HierarchicalStore:
         """
         with self._lock:
             self._check_open()
-            m = self._multi_memo
-            if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights):
-                b, bag, scale, nbags = m.b, m.bag, m.scale, m.nbags
-                p = m.p if m.placement_valid(self._res.epoch, ticket) else None
-                if p is None and ticket is not None and ticket.pinned and not ticket.released:
-                    p = self._res.locate(b)  # its rows are pinned where they are
-                t = k = None
-            else:
-                t, k = self._multi.ids(tables, ids)
-                offsets = offsets_of(k.numel(), offsets)
-                bag, scale = bags_of(k.numel(), offsets, mode, per_sample_weights, self.device)
-                b, p, nbags = None, None, offsets.numel()
-            D = self.max_dim
-            if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or tuple(grad.shape) != (nbags, D):
-                raise InvalidArgumentError(f"grad must be a float tensor of shape {(nbags, D)}")
-            if bag.numel() == 0:
-                for ti in stepped or ():
-                    self._steps[ti] += 1
-                return
-            if b is None:
-                b = self._multi.batch(t, k)
-                p = self._res.locate(b) if ticket is not None and ticket.pinned else None
-            # each distinct row's gradient: the sum over its ids of their bag's gradient
-            # (times the id's scale), formed by the data plane
-            self._update_multi(b, p, grad.detach().to(self.device), bag, scale, stepped)
-
-    def _update_multi(self, b, p, grad: torch.Tensor, bag: torch.Tensor, scale: torch.Tensor | None,
-                      stepped=None) -> None:
-        """Apply the gradients of bags ``grad`` to the rows of batch ``b`` (placement ``p``,
-        None: place it now): one optimizer step per distinct row, in place in its tier."""
-        self._staged_path.check_deferred()
-        rg = self._staged_path.row_grads(b, p, grad, bag, scale)
-        self.plane.check(rg, "gradients")
-        if p is None:
-            try:
-                p = self._place(b, account=False)
-            except CapacityError:
-                if not self.revoke_prefetches():
-                    raise
-                p = self._place(b, account=False)
-        if self._staged_path.active and p.dev is None:  # located, not placed: its slots to the device
-            p.dev = self._staged_path.stage(b, p)
-        present = tables_present(b.t.contiguous().numpy(), len(self.tables)).tolist()  # one compiled pass
-        steps = sorted(set(stepped or ()) | set(present))
-        for ti in steps:  # in the batch without ids: a step, as SparseAdam's
-            self._steps[ti] += 1
-        self.plane.apply(self, rg, p, present)
-        self._staged_path.defer(rg, steps, "gradients")
-        self.counters.add_io(IO.UPDATES, 1)
-        self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
+            self._bags.update(tables, ids, offsets, grad, mode, per_sample_weights, ticket, stepped)
 
     # -- read-only views for the store's collaborators (metrics, pipeline, modules) ------
     @property
@@ -677,12 +582,7 @@ class HierarchicalStore:
             ti = self.table_index(table)
             ids = self._ids(ti, ids)
             grads = self._values(ti, ids.numel(), grads, "grads")
-            if not isinstance(row_stat, torch.Tensor) or not row_stat.is_floating_point() \
-                    or tuple(row_stat.shape) != (ids.numel(),):
-                raise InvalidArgumentError(f"row_stat must be a float tensor of shape ({ids.numel()},)")
-            row_stat = row_stat.detach().to(self.device, torch.float32)
-            if not bool(torch.isfinite(row_stat).all()):
-                raise NonFiniteGradientError(f"row_stat of table {table} contains NaN or inf; nothing changed")
+            row_stat = validate.check_row_stat(self.tables[ti], ids.numel(), row_stat, self.device)
             if self.optimizer.row_statistic(grads[:0], 1) is None:
                 raise InvalidArgumentError(f"optimizer {self.optimizer.name} has no per-row statistic")
             if ids.numel() == 0:
@@ -692,17 +592,9 @@ class HierarchicalStore:
                 raise InvalidArgumentError("update_with_row_stat needs distinct ids")
             p = self._place(b, account=False)
             self._steps[ti] += 1
-            dim = self.tables[ti].dim
             order = torch.empty_like(b.inverse).index_copy_(0, b.inverse, torch.arange(ids.numel()))
-            order = order.to(self.device)
-            g, st = grads.index_select(0, order), row_stat.index_select(0, order)  # in b.k order
-            for tier, slots, idx, cslots in self._res.parts(p):
-                gi = g if idx is None else g.index_select(0, idx).to(tier.device)
-                si = st if idx is None else st.index_select(0, idx).to(tier.device)
-                w, step = self.widths[ti], self._steps[ti]
-                tier.update(slots, w, lambda data, rows, gi=gi, si=si, w=w, step=step:
-                            self.optimizer.apply_slots_with_row_stat(data, rows, gi, dim, w, step, si))
-                tier.dirty[cslots] = True
+            order = order.to(self.device)  # the distinct rows' positions, in b.k order
+            self.plane.apply_row_stat(self, p, ti, grads.index_select(0, order), row_stat.index_select(0, order))
             self.counters.add_io(IO.UPDATES, 1)
             self.counters.add_io(IO.UPDATED_ROWS, b.k.numel())
 
@@ -868,16 +760,7 @@ class HierarchicalStore:
             if ids.numel() == 0:
                 return
             b = self._batch(ti, ids)
-            rec = rec.index_select(0, b.lastpos)
-            g = self._keys.find(b.t, b.k)
-            res = g >= 0
-            out = (~res).nonzero().squeeze(1)
-            if out.numel():
-                self._disk.write([(ti, b.k[out].cpu().numpy(), rec[out].cpu().numpy())], meta=self._meta())
-            ri = res.nonzero().squeeze(1)
-            if ri.numel():
-                sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
-                self._res.scatter(self._res.locate(sub), rec.index_select(0, ri))
+            self._res.overwrite(ti, b, rec.index_select(0, b.lastpos))
 
     def clear(self) -> None:
         """Forget every row: all tables return to their initial values (LMDB emptied)."""
@@ -885,7 +768,7 @@ class HierarchicalStore:
             self._check_open()
             # LMDB emptied first: a wipe that fails changes nothing; then the tiers forget
             self._res.clear(lambda: self._disk.clear_rows(meta=self._meta(), sync=False))
-            self._memo = self._multi_memo = None
+            self._memo = self._bags.memo = None
             self._disk.sync()  # a failed fsync raises with the store cleared all the same
 
     @property

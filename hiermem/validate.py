@@ -9,7 +9,7 @@ import torch
 from .dataplane.batch import minmax
 from .dataplane.staging import to_host
 from .errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, NonFiniteGradientError, UnknownTableError
-from .types import TableSpec
+from .types import StoreConfig, TableSpec
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # the ids a caller may give
 _INT_DTYPES = INT_DTYPES
@@ -90,3 +90,53 @@ def check_values(spec: TableSpec, n: int, values, what: str, device: torch.devic
     if check_finite and n and not bool(torch.isfinite(values).all()):
         raise NonFiniteGradientError(f"{what} of table {spec.name} contain NaN or inf; nothing changed")
     return values
+
+
+def check_row_stat(spec: TableSpec, n: int, row_stat, device: torch.device) -> torch.Tensor:
+    """``row_stat`` (a per-row optimizer statistic of ``n`` rows of table ``spec``,
+    ``[n]`` floating point) as float32 on ``device``.
+
+    Raises:
+        InvalidArgumentError: not a floating-point tensor of shape ``[n]``.
+        NonFiniteGradientError: NaN or inf.
+    """
+    if not isinstance(row_stat, torch.Tensor) or not row_stat.is_floating_point() or tuple(row_stat.shape) != (n,):
+        raise InvalidArgumentError(f"row_stat must be a float tensor of shape ({n},)")
+    row_stat = row_stat.detach().to(device, torch.float32)
+    if not bool(torch.isfinite(row_stat).all()):
+        raise NonFiniteGradientError(f"row_stat of table {spec.name} contains NaN or inf; nothing changed")
+    return row_stat
+
+
+def check_store_args(tables, config) -> tuple[TableSpec, ...]:
+    """A store's ``tables`` (a non-empty sequence of :class:`TableSpec` of distinct
+    names) as a tuple, after checking ``config`` is a :class:`StoreConfig`.
+
+    Raises:
+        InvalidTypeError: ``config`` is not a StoreConfig.
+        InvalidArgumentError: no tables, a table that is not a TableSpec, or a name twice.
+    """
+    if not isinstance(config, StoreConfig):
+        raise InvalidTypeError("config must be a hiermem.StoreConfig")
+    tables = tuple(tables)
+    if not tables or not all(isinstance(s, TableSpec) for s in tables):
+        raise InvalidArgumentError("tables must be a non-empty sequence of TableSpec")
+    names = [s.name for s in tables]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"duplicate table names in {names}")
+    return tables
+
+
+def store_device(name) -> torch.device:
+    """The device a store's ``config.device`` names (``cuda`` as ``cuda:N``, the current one).
+
+    Raises:
+        InvalidArgumentError: CUDA is asked for but not available.
+    """
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError("device='cuda' but CUDA is not available")
+        if device.index is None:  # tensors report cuda:N; compare like with like
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -126,7 +126,7 @@ def test_staged_arrays_are_the_control_planes(tmp_path):
         t = torch.zeros_like(k)
         offsets = torch.tensor([0, 4, 7])
         store.lookup_bags(t, k, offsets)
-        m = store._multi_memo
+        m = store._bags.memo
         d, p, b = m.p.dev, m.p, m.b
         assert torch.equal(d.slot, p.slot) and torch.equal(d.inverse, b.inverse)
         assert torch.equal(d.perm, b.perm) and torch.equal(d.starts, b.starts)

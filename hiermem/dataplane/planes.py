@@ -104,6 +104,19 @@ class DataPlane(ABC):
         """One optimizer step of every distinct row of ``rg.b`` (placed at ``p``) with its
         gradient, in place; ``present``: the batch's tables (their steps already counted)."""
 
+    def apply_row_stat(self, store, p, ti: int, g: torch.Tensor, st: torch.Tensor) -> None:
+        """One optimizer step of table ``ti``'s distinct rows (placed at ``p``) with
+        gradients ``g [U, dim]`` and a per-row statistic ``st [U]`` reduced outside (a
+        column shard's, see :meth:`~hiermem.store.HierarchicalStore.update_with_row_stat`);
+        both in the placement's row order, on the store's device (the step already counted)."""
+        opt, dim, w, step = store.optimizer, store.tables[ti].dim, store.widths[ti], store.steps[ti]
+        for tier, slots, idx, cslots in store.residency.parts(p):
+            gi = g if idx is None else g.index_select(0, idx).to(tier.device)
+            si = st if idx is None else st.index_select(0, idx).to(tier.device)
+            tier.update(slots, w, lambda data, rows, gi=gi, si=si:
+                        opt.apply_slots_with_row_stat(data, rows, gi, dim, w, step, si))
+            tier.dirty[cslots] = True
+
     def rows_up(self, dev: torch.Tensor, host, src: np.ndarray, dst: np.ndarray) -> None:
         """A CPU placement's host -> device copy: ``dev[dst[i]]`` = the record of host
         slot ``src[i]`` (int64 arrays), zeros past its width.  The caller has read what

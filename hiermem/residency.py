@@ -287,8 +287,7 @@ class Residency:
             self.disk.write([(ti, b.k[out].cpu().numpy(), rec[out].cpu().numpy())], meta=self._meta())
         ri = res.nonzero().squeeze(1)
         if ri.numel():
-            sub = Batch(b.t[ri], b.k[ri], ri[:0], b.counts[ri], b.lastpos[ri], ri.numel())
-            self.scatter(self.locate(sub), rec.index_select(0, ri))
+            self.scatter(self._placed_at(g.index_select(0, ri)), rec.index_select(0, ri))
 
     def not_resident(self, b: Batch) -> list[tuple[int, np.ndarray, int]]:
         """The rows of ``b`` in neither slot tier, as ``(table, ids, width)`` groups (a
@@ -304,6 +303,10 @@ class Residency:
         g = self.keys.find(b.t, b.k)  # CPU: no device sync
         if bool((g < 0).any()):
             return None
+        return self._placed_at(g)
+
+    def _placed_at(self, g: torch.Tensor) -> Placement:
+        """The placement of resident rows at global slots ``g`` (all ``>= 0``)."""
         D = self.dev.capacity
         on_dev = g < D
         if bool(on_dev.all()):

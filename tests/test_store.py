@@ -83,6 +83,28 @@ def test_write_last_duplicate_wins_and_resets_state(tmp_path):
     s.close()
 
 
+def test_import_records_sets_rows_in_every_tier_where_they_are(tmp_path):
+    """Rows on the device tier, on the host tier, on LMDB and never written, imported in
+    one call (a duplicate: the last record wins): each takes its record where it is, and
+    no row changes tier."""
+    s = _store(tmp_path, optimizer=hm.Adagrad(lr=0.1), device_rows=2, host_rows=2)
+    s.update("a", torch.tensor([1, 2]), torch.ones(2, 2))  # dirty: 1, 2 on device
+    s.lookup("a", torch.tensor([3, 4]))  # 1, 2 down to host
+    s.lookup("a", torch.tensor([5, 6]))  # 3, 4 down to host, 1, 2 (dirty) to LMDB
+    ids = torch.tensor([1, 3, 5, 9, 5])  # LMDB, host, device, never written; 5 twice
+    before = s.where("a", ids[:4]).tolist()
+    assert before == [int(hm.Tier.DISK), int(hm.Tier.HOST), int(hm.Tier.DEVICE), int(hm.Tier.INIT)]
+    rec = torch.arange(20, dtype=torch.float32).reshape(5, 4)  # Adagrad: weights | state
+    s.import_records("a", ids, rec)
+    assert s.where("a", ids[:3]).tolist() == before[:3]  # nothing moved
+    assert int(s.where("a", ids[3:4])) == int(hm.Tier.DISK)  # written straight to LMDB
+    got_ids, got = s.export("a")  # flushes: the resident rows' records too
+    by_id = dict(zip(got_ids.tolist(), got))
+    for i, r in ((1, rec[0]), (3, rec[1]), (5, rec[4]), (9, rec[3])):
+        assert torch.equal(by_id[i], r)
+    s.close()
+
+
 def test_initial_rows_are_deterministic_and_seeded(tmp_path):
     a = _store(tmp_path, seed=1)
     r1 = a.lookup("b", torch.tensor([2**62, 7]))

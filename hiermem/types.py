@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from .errors import InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .optim import Optimizer
+    from .dataplane.optim import Optimizer
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,127}")
 
@@ -120,7 +120,7 @@ class StoreConfig:
             retried and raised, typed, by the next call that writes or flushes, not by
             the lookup that evicted; nothing is lost (the rows stay queued).
             ``"auto"``: on where the writer thread can overlap the step (a GPU, or a
-            core free beside torch's intra-op threads; :mod:`hiermem.overlap`), off
+            core free beside torch's intra-op threads; :mod:`hiermem.store.overlap`), off
             where it would only take a core from the step; the store's
             ``write_behind``/``write_behind_reason`` say what was chosen.
         write_combine: eviction write-backs (without ``write_behind``) are held in memory
@@ -170,7 +170,7 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.policy, (str, os.PathLike)):
             raise InvalidTypeError("policy must be a name or a path")
-        from .eviction import policy_settings
+        from .core.policies import policy_settings
 
         from_file = policy_settings(self.policy)
         for name, default in (("device_rows", 10_000), ("host_rows", 100_000), ("prefetch_depth", 2)):
@@ -202,6 +202,6 @@ class StoreConfig:
         if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):
             raise InvalidTypeError("trace_path must be a path or None")
         if self.optimizer is None:
-            from .optim import SGD
+            from .dataplane.optim import SGD
 
             object.__setattr__(self, "optimizer", SGD(lr=0.01))

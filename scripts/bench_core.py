@@ -47,9 +47,9 @@ import hiermem as hm  # noqa: E402
 import bench_sim  # noqa: E402  (the replay's floor)
 from hiermem.core import index as ixk  # noqa: E402
 from hiermem.core.index import KeyIndex  # noqa: E402
-from hiermem.data import ZipfIds  # noqa: E402
+from hiermem.nn.data import ZipfIds  # noqa: E402
 from hiermem.sim import SimConfig, Simulator  # noqa: E402
-from hiermem.sim.trace import Trace  # noqa: E402
+from hiermem.observe.trace import Trace  # noqa: E402
 
 WIDTH = 68  # floats per record: dim 67 + row-wise Adagrad's one state
 

@@ -27,7 +27,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import hiermem as hm
-from hiermem.data import ZipfIds
+from hiermem.nn.data import ZipfIds
 
 
 def _scrape(port: int) -> bytes:

@@ -84,7 +84,7 @@ def writer(a: argparse.Namespace) -> int:
     import torch
 
     import hiermem as hm
-    from hiermem.rows import initial_records
+    from hiermem.store.rows import initial_records
 
     torch.set_num_threads(1)
     opt = hm.Adagrad(lr=0.05)

@@ -44,9 +44,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hiermem.data import ZipfIds  # noqa: E402
+from hiermem.nn.data import ZipfIds  # noqa: E402
 from hiermem.sim import SimConfig, Simulator, simulate, write_trace  # noqa: E402
-from hiermem.sim.trace import Trace  # noqa: E402
+from hiermem.observe.trace import Trace  # noqa: E402
 from hiermem.sim.bounds import dense_ids, lru_mrc, next_use  # noqa: E402
 
 

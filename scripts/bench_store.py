@@ -18,7 +18,7 @@ Variants:
       backward (None when ``fbgemm_gpu`` does not import, or with ``--no-fbgemm``).
 
 Workloads: Zipf(alpha=1.05) ids over a 4M-row table, and the Criteo DAC head's global
-(field, value) stream (``hiermem.data.criteo_global_stream``, cycled in batches over a
+(field, value) stream (``hiermem.nn.data.criteo_global_stream``, cycled in batches over a
 table of its cardinality).  A Criteo batch touches ~60% of that table, more than 11%
 of its rows, so for it (c)/(d) get a cache of 1.1x the largest batch's distinct rows.
 
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 import hiermem as hm
-from hiermem.data import ZipfIds, criteo_global_stream
+from hiermem.nn.data import ZipfIds, criteo_global_stream
 
 B, L, DIM, LR = 4096, 20, 64, 0.05
 PREWARM_CHUNK = 1 << 18

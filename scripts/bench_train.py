@@ -54,7 +54,7 @@ and this times gathering and issuing them); ``placement``: store calls (any thre
 LMDB time inside them; ``bg``: the prefetch and read-ahead threads' store time.  With
 prefetch the parts overlap and do not add up to the step.  Prefetch and write-behind run as the
 library decides by default (``PrefetchPipeline(background="auto")``,
-``StoreConfig(write_behind="auto")``; :mod:`hiermem.overlap`): on background threads where
+``StoreConfig(write_behind="auto")``; :mod:`hiermem.store.overlap`): on background threads where
 they can overlap the step (a GPU, or a core free beside torch's intra-op threads), else as
 foreground work (no prefetch: each lookup places its own rows; write-backs committed in
 the step), as on 2 cores; ``HIERMEM_BACKGROUND=threads|inline`` forces the pipeline's
@@ -88,10 +88,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hiermem as hm  # noqa: E402
-from hiermem.data import ZipfIds, shared_data_dir  # noqa: E402
-from hiermem.dlrm import DLRM, PlainEmbeddingBags  # noqa: E402
+from hiermem.nn.data import ZipfIds, shared_data_dir  # noqa: E402
+from hiermem.nn.dlrm import DLRM, PlainEmbeddingBags  # noqa: E402
 from hiermem.sim.cost import CostModel  # noqa: E402
-from hiermem.stats import IO, STAT_TIERS, Stat  # noqa: E402
+from hiermem.observe.stats import IO, STAT_TIERS, Stat  # noqa: E402
 from hiermem.types import Tier  # noqa: E402
 
 CRITEO_KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,

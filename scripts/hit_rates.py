@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hiermem.eviction import PolicySpec  # noqa: E402
+from hiermem.core.policies import PolicySpec  # noqa: E402
 from hiermem.sim import SimConfig, import_criteo, import_movielens, load_trace, simulate  # noqa: E402
 from hiermem.sim.bounds import belady_misses  # noqa: E402
 from hiermem.sim.engine import dense_rows  # noqa: E402

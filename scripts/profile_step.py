@@ -32,7 +32,7 @@ import bench_train as bt  # noqa: E402  (the same workloads, model and store set
 import torch  # noqa: E402
 
 import hiermem as hm  # noqa: E402
-from hiermem.dlrm import PlainEmbeddingBags  # noqa: E402
+from hiermem.nn.dlrm import PlainEmbeddingBags  # noqa: E402
 
 
 def main(argv=None) -> int:

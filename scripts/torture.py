@@ -94,7 +94,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hiermem as hm  # noqa: E402
-from hiermem.rows import initial_records  # noqa: E402
+from hiermem.store.rows import initial_records  # noqa: E402
 from hiermem.tiers import DiskTier  # noqa: E402
 
 # -- the store under torture ---------------------------------------------------------------
@@ -423,7 +423,7 @@ def restore_and_die(store, log: "Log", ck: Path, args: argparse.Namespace) -> No
     """Close the store (a flush), then restore checkpoint ``ck`` over it and die inside the
     restore at ``RESTORE_POINTS[nth % 4]``: its copy made; the copy validated, before the
     data file is swapped in; just after the swap; in the open that follows."""
-    import hiermem.checkpoint as ckm
+    import hiermem.store.checkpoint as ckm
 
     store.close()
     log.flush(store._flush_seq)

@@ -12,7 +12,7 @@
 
 Every rank plans the same tables with the same inputs (so every rank gets the same
 plan; ``--plan plan.json`` loads a saved one instead), builds its shards' store under
-``--path/rank<r>``, and trains ``hiermem.dlrm.DLRM`` (dense MLPs replicated, their
+``--path/rank<r>``, and trains ``hiermem.nn.dlrm.DLRM`` (dense MLPs replicated, their
 gradients all-reduced; embeddings sharded, fused row-wise Adagrad) on synthetic skewed
 batches of ``--batch`` samples per rank.  The loss of a step is the mean over the
 global batch, so any world size (and ``--reference``) trains the same model.  Rank 0
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import hiermem as hm  # noqa: E402
-from hiermem.dlrm import DLRM  # noqa: E402
+from hiermem.nn.dlrm import DLRM  # noqa: E402
 from hiermem.sharding import PlannerTable, ShardingPlan, Topology, launch_local, plan  # noqa: E402
 from hiermem.sharding.calibrate import Workload  # noqa: E402
 from hiermem.sharding.config import format_plan  # noqa: E402

@@ -24,7 +24,7 @@ from hiermem.core import plan as P  # noqa: E402
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # interpreted kernels: int64 hashing wraps
 from hiermem.core.index import KeyIndex  # noqa: E402
 from hiermem.core.replay import replay  # noqa: E402
-from hiermem.eviction import resolve_policy  # noqa: E402
+from hiermem.core.policies import resolve_policy  # noqa: E402
 from hiermem.tiers.slots import SlotTier  # noqa: E402
 from hiermem.types import Tier  # noqa: E402
 

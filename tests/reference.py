@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import hiermem as hm
-from hiermem.rows import initial_records
+from hiermem.store.rows import initial_records
 
 
 class FlatStore:

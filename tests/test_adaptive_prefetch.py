@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem import pipeline as pl
+from hiermem.nn import pipeline as pl
 from test_modules import _batches, _tables, _train
 
 

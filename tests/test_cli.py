@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hiermem as hm
-from hiermem.cli import main
+from hiermem.cli.main import main
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hiermem.eviction import POLICIES
+from hiermem.core.policies import POLICIES
 
 DRIVER = Path(__file__).with_name("parity_driver.py")
 
@@ -38,9 +38,9 @@ def test_warm_child_compiles_this_checkout(tmp_path):
     import this checkout's hiermem (not another one on the path) without warming up
     again itself, and exit cleanly (here it loads the cached kernels)."""
     import hiermem
-    from hiermem.core import warm
+    from hiermem.store import warm
 
-    code = "import hiermem, sys; print(hiermem.__file__); sys.exit(int(hiermem.core.warm.ensure_compiled(True) != 0))"
+    code = "import hiermem, sys; print(hiermem.__file__); sys.exit(int(hiermem.store.warm.ensure_compiled(True) != 0))"
     out = subprocess.run([sys.executable, "-c", code], env=warm._child_env(), cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr  # ensure_compiled is a no-op in the child, even forced

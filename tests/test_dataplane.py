@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import hiermem as hm
 from hiermem.dataplane import CompiledPlane, TorchPlane
 from hiermem.dataplane.batch import sorted_runs
-from hiermem.batches import runs
+from hiermem.store.placed import runs
 
 OPTS = [hm.SGD(lr=0.3), hm.Adagrad(lr=0.2, initial_accumulator_value=0.1), hm.RowWiseAdagrad(lr=0.2),
         hm.Adam(lr=0.05, beta1=0.8, beta2=0.95)]

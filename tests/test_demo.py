@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hiermem.cli import main
-from hiermem.demo_data import auc, log_loss, real_data_dir
+from hiermem.cli.main import main
+from hiermem.cli.demo_data import auc, log_loss, real_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--synthetic", "--batch", "32", "--device-rows", "1024", "--host-rows", "2048", "--no-progress", "--no-png"]
@@ -145,7 +145,7 @@ def _wait_for(proc, text: str, timeout: float = 240):
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_checkpoints_and_exits_with_one_line(tmp_path, sig, code):
     run = tmp_path / "sig"
-    p = subprocess.Popen([sys.executable, "-m", "hiermem.cli", *_demo(run, "--steps", "100000", "--log-every", "2",
+    p = subprocess.Popen([sys.executable, "-m", "hiermem", *_demo(run, "--steps", "100000", "--log-every", "2",
                                                                       "--checkpoint-every", "100000")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
     seen = _wait_for(p, "step 2/")
@@ -172,7 +172,7 @@ def test_port_in_use_is_one_line(tmp_path, capsys):
         assert not (tmp_path / "x").exists()
         assert main(_demo(tmp_path / "st", "--steps", "1")) == 0
         capsys.readouterr()
-        r = subprocess.run([sys.executable, "-m", "hiermem.cli", "serve", str(tmp_path / "st" / "store"),
+        r = subprocess.run([sys.executable, "-m", "hiermem", "serve", str(tmp_path / "st" / "store"),
                             "--port", str(port), "--seconds", "1"], capture_output=True, text=True, env=_env())
     assert r.returncode == 2 and "already in use: pick another --port" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

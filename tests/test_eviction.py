@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.eviction import POLICIES, resolve_policy
+from hiermem.core.policies import POLICIES, resolve_policy
 
 ALL = sorted(POLICIES)
 

@@ -458,7 +458,7 @@ BAD_CRITEO = {
 
 @pytest.mark.parametrize("kind", sorted(BAD_CRITEO))
 def test_corrupt_criteo_trace_is_a_typed_error_naming_the_file(tmp_path, kind):
-    from hiermem.data import CriteoFormatError, criteo_tsv_batches
+    from hiermem.nn.data import CriteoFormatError, criteo_tsv_batches
 
     f = tmp_path / f"{kind}.tsv"
     f.write_bytes(BAD_CRITEO[kind])
@@ -469,7 +469,7 @@ def test_corrupt_criteo_trace_is_a_typed_error_naming_the_file(tmp_path, kind):
 
 @pytest.mark.parametrize("what", ["missing", "directory"])
 def test_unreadable_criteo_path_is_a_typed_error(tmp_path, what):
-    from hiermem.data import CriteoFormatError, criteo_tsv_batches
+    from hiermem.nn.data import CriteoFormatError, criteo_tsv_batches
 
     f = tmp_path / "x.tsv"
     if what == "directory":
@@ -480,7 +480,7 @@ def test_unreadable_criteo_path_is_a_typed_error(tmp_path, what):
 
 
 def test_good_criteo_lines_parse_exactly():
-    from hiermem.data import parse_criteo_lines
+    from hiermem.nn.data import parse_criteo_lines
 
     labels, dense, cats = parse_criteo_lines([_GOOD.encode(), ("0" + _GOOD[1:]).replace("\t5\t", "\t-2\t").encode()])
     assert labels.tolist() == [1.0, 0.0]

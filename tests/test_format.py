@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.cli import main as cli_main
+from hiermem.cli.main import main as cli_main
 from hiermem.tiers import disk as disk_mod
 from hiermem.tiers.disk import DiskTier
 from hiermem.tiers.records import FORMAT_VERSION, encode_keys_v1

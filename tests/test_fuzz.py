@@ -439,7 +439,7 @@ import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from hiermem.errors import TraceFormatError  # noqa: E402
-from hiermem.sim.trace import TraceWriter, load_trace  # noqa: E402
+from hiermem.observe.trace import TraceWriter, load_trace  # noqa: E402
 
 _TRACE_DIR = Path(tempfile.mkdtemp(prefix="hm-fuzz-trace-"))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.stats import IO
+from hiermem.observe.stats import IO
 from reference import FlatStore
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.checkpoint import READERS_LOCK, clean_stale_temporaries
+from hiermem.store.checkpoint import READERS_LOCK, clean_stale_temporaries
 from hiermem.tiers import ioerrors
 
 TABLES = [hm.TableSpec("b", 400, 4), hm.TableSpec("h", None, 3)]
@@ -145,7 +145,7 @@ def test_restore_hands_its_lock_to_the_store_it_opens(tmp_path):
         assert torch.equal(values(r), want)
     finally:
         r.close()
-    from hiermem.locks import HANDOFF as _HANDOFF
+    from hiermem.store.locks import HANDOFF as _HANDOFF
     assert not _HANDOFF
 
 
@@ -310,7 +310,7 @@ def test_depth_zero_in_policy_file_refuses_a_pipeline_by_name(tmp_path):
 
 
 def test_cli_demo_takes_sizes_from_the_policy_file_and_shows_them(tmp_path, capsys):
-    from hiermem.cli import _policy_sizes, build_parser
+    from hiermem.cli.main import _policy_sizes, build_parser
 
     pf = policy(tmp_path, "device_rows = 64\nhost_rows = 256\nprefetch_depth = 1\n")
     a = build_parser().parse_args(["demo", "--policy", pf])
@@ -371,7 +371,7 @@ def test_an_unopenable_lock_file_is_a_typed_error(tmp_path):
     """An OS error opening a lock file (here: a dangling symlink into a missing
     directory) is a HierMemError naming the file, for restore too (it raised a raw
     OSError)."""
-    from hiermem import locks
+    from hiermem.store import locks
 
     d = tmp_path / "d"
     d.mkdir()

@@ -11,7 +11,7 @@ import torch
 
 import hiermem as hm
 import hiermem.tiers.host as host_mod
-from hiermem.eviction import PolicySpec
+from hiermem.core.policies import PolicySpec
 from hiermem.tiers.host import HostTier
 from reference import FlatStore
 

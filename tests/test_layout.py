@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hiermem.core.layout import RECORD, slot_records
-from hiermem.eviction import PolicySpec
+from hiermem.core.policies import PolicySpec
 from hiermem.tiers.slots import SlotTier
 from hiermem.types import Tier
 

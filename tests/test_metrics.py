@@ -1,4 +1,4 @@
-"""hiermem.metrics: counter values by hand, the HTTP endpoint, scrapes during training,
+"""hiermem.observe.metrics: counter values by hand, the HTTP endpoint, scrapes during training,
 and every dashboard expression evaluated by a real Prometheus server."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import hiermem as hm
-from hiermem.cli import main
+from hiermem.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,7 +178,7 @@ def test_cli_serve_and_demo_metrics_port(tmp_path):
     path = tmp_path / "d"
     assert main(["demo", "--steps", "2", "--batch", "64", "--device-rows", "1024", "--host-rows", "4096",
                  "--path", str(path), "--metrics-port", "0", "--no-progress"]) == 0
-    p = subprocess.Popen([sys.executable, "-m", "hiermem.cli", "serve", str(path / "store"), "--port", "0",
+    p = subprocess.Popen([sys.executable, "-m", "hiermem", "serve", str(path / "store"), "--port", "0",
                           "--seconds", "20"],
                          stderr=subprocess.PIPE, text=True)
     try:

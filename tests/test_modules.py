@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import hiermem as hm
-from hiermem.dlrm import DLRM, PlainEmbeddingBags
+from hiermem.nn.dlrm import DLRM, PlainEmbeddingBags
 
 T, R, DIM, B = 4, 120, 8, 24
 
@@ -319,13 +319,13 @@ def test_checkpoint_survives_sigkill_and_resume_reproduces_losses(tmp_path):
     args = ["--synthetic", "--batch", "64", "--device-rows", "4096", "--host-rows", "16384", "--dim", "8",
             "--checkpoint-every", "5", "--no-progress", "--depth", "2"]
     full = tmp_path / "full"
-    r = subprocess.run([sys.executable, "-m", "hiermem.cli", "demo", "--steps", "30", "--path", str(full), *args],
+    r = subprocess.run([sys.executable, "-m", "hiermem", "demo", "--steps", "30", "--path", str(full), *args],
                        capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stderr
     ref = json.loads(r.stdout.strip().splitlines()[-1])
     ref_losses = torch.load(Path(ref["checkpoint"]) / "dense.pt", weights_only=True)["losses"]
     killed = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, "-m", "hiermem.cli", "demo", "--steps", "100000", "--path", str(killed),
+    p = subprocess.Popen([sys.executable, "-m", "hiermem", "demo", "--steps", "100000", "--path", str(killed),
                           *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = killed / "ckpt" / "LATEST"
     deadline = time.monotonic() + 150
@@ -336,7 +336,7 @@ def test_checkpoint_survives_sigkill_and_resume_reproduces_losses(tmp_path):
     p.wait()
     step = int(latest.read_text().strip().split("-")[1])
     assert 5 <= step < 30, step
-    r = subprocess.run([sys.executable, "-m", "hiermem.cli", "demo", "--steps", "30", "--path", str(killed),
+    r = subprocess.run([sys.executable, "-m", "hiermem", "demo", "--steps", "30", "--path", str(killed),
                         "--resume", *args], capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -392,7 +392,7 @@ def test_inline_prefetch_equals_background_threads(tmp_path):
     for n in f1:
         assert torch.equal(f1[n], f0[n])
     assert torch.equal(c1[0], c0[0])
-    from hiermem.stats import IO
+    from hiermem.observe.stats import IO
     timing = [IO.LATE_PREFETCHES]  # rows whose prefetch was still running at their lookup: threads only
     keep = torch.ones(len(IO), dtype=torch.bool)
     keep[timing] = False
@@ -401,8 +401,8 @@ def test_inline_prefetch_equals_background_threads(tmp_path):
 
 
 def test_background_auto_decides_from_the_machine(monkeypatch):
-    from hiermem import overlap
-    from hiermem import pipeline as pl
+    from hiermem.store import overlap
+    from hiermem.nn import pipeline as pl
 
     monkeypatch.setenv("HIERMEM_BACKGROUND", "auto")
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
@@ -448,7 +448,7 @@ def test_foreground_pipeline_equals_no_pipeline(tmp_path, monkeypatch):
 
 
 def test_write_behind_auto_is_reported(tmp_path, monkeypatch):
-    from hiermem import overlap
+    from hiermem.store import overlap
 
     for free, on in ((0, False), (1, True)):
         monkeypatch.setattr(overlap, "free_cores", lambda: free)

@@ -153,7 +153,7 @@ def test_lookup_reuses_its_prefetch_only_for_the_same_ids(tmp_path):
 def test_pipeline_threads_leave_the_callers_torch_threads_alone():
     """The pipeline's threads run their small ops single-threaded (with OpenMP, per
     thread), and neither the caller's count nor that of threads started later changes."""
-    from hiermem import pipeline
+    from hiermem.nn import pipeline
 
     before = torch.get_num_threads()
     w = pipeline._Worker(torch.device("cpu"))

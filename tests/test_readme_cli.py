@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hiermem as hm
-from hiermem.cli import main
+from hiermem.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,7 +117,7 @@ def test_demo_reads_criteo_tsv_and_synthetic(capsys, tmp_path):
 
 def test_cli_errors_are_clean(tmp_path):
     (tmp_path / "f").write_text("not a store")
-    r = subprocess.run([sys.executable, "-m", "hiermem.cli", "stats", str(tmp_path / "f")],
+    r = subprocess.run([sys.executable, "-m", "hiermem", "stats", str(tmp_path / "f")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "not a hiermem store" in r.stderr and "Traceback" not in r.stderr
     assert hm.__version__

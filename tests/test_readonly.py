@@ -56,7 +56,7 @@ def train(s, steps, seed):
 
 def records(s):
     """Table b's records as the training store holds them (its export, after a flush)."""
-    from hiermem.rows import initial_records
+    from hiermem.store.rows import initial_records
 
     ids, rec = s.export("b")
     out = initial_records(TABLES[0], 0, 0, s.optimizer, torch.arange(300))
@@ -148,7 +148,7 @@ def test_cli_export_while_a_process_trains(tmp_path):
         want_ids, want_rec = s.export("b")
         train(s, 5, seed=1)  # not flushed: not in the export
         out = tmp_path / "b.npy"
-        r = subprocess.run([sys.executable, "-m", "hiermem.cli", "export", str(tmp_path / "s"), "--table", "b",
+        r = subprocess.run([sys.executable, "-m", "hiermem", "export", str(tmp_path / "s"), "--table", "b",
                             "--out", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
         assert r.returncode == 0, r.stderr
         a = np.load(out, allow_pickle=False)
@@ -156,7 +156,7 @@ def test_cli_export_while_a_process_trains(tmp_path):
         assert np.array_equal(a["id"], want_ids.numpy())
         assert np.array_equal(a["weight"], want_rec[:, :4].numpy())
         assert os.stat(out).st_mode & 0o777 == 0o600
-        bad = subprocess.run([sys.executable, "-m", "hiermem.cli", "export", str(tmp_path / "s"), "--table", "zz",
+        bad = subprocess.run([sys.executable, "-m", "hiermem", "export", str(tmp_path / "s"), "--table", "zz",
                               "--out", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
         assert bad.returncode == 2 and "unknown table" in bad.stderr
     finally:

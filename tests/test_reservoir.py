@@ -14,7 +14,7 @@ import torch
 
 import hiermem as hm
 from hiermem.core import victims as vk
-from hiermem.eviction import POLICIES
+from hiermem.core.policies import POLICIES
 
 
 def _victims(p, kt, pins, excl, n):

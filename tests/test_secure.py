@@ -18,9 +18,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import hiermem as hm
-import hiermem.metrics
-from hiermem import cli
-from hiermem.data import criteo_cat_ids
+import hiermem.observe.metrics
+from hiermem.cli import main as cli
+from hiermem.nn.data import criteo_cat_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "hiermem").rglob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
@@ -54,12 +54,12 @@ def test_serve_metrics_binds_loopback_by_default(tmp_path):
 
 def test_every_cli_server_binds_loopback_by_default(tmp_path, monkeypatch):
     calls = []
-    real = hiermem.metrics.start_http_server
+    real = hiermem.observe.metrics.start_http_server
 
     def spy(port, addr="0.0.0.0", registry=None):  # prometheus_client's own default is 0.0.0.0
         calls.append(addr)
         return real(port, addr=addr, registry=CollectorRegistry())
-    monkeypatch.setattr(hiermem.metrics, "start_http_server", spy)
+    monkeypatch.setattr(hiermem.observe.metrics, "start_http_server", spy)
     path = tmp_path / "store"  # (the demo's --metrics-addr is checked through the parser below)
     hm.HierarchicalStore([hm.TableSpec("t", 10, 4)], hm.StoreConfig(path=path, device_rows=2, host_rows=4)).close()
     assert cli.main(["serve", str(path), "--port", "0", "--seconds", "0"]) == 0

@@ -52,7 +52,7 @@ def test_planner_comparison_machinery(tmp_path):
     torchrec is importable), per-round step times of each."""
     from hiermem.sharding import PlannerTable, ShardingType, Topology, naive_plan
     from hiermem.sharding.calibrate import Workload, compare_worker
-    from hiermem.torchrec_compat import torchrec_available
+    from hiermem.nn.torchrec import torchrec_available
 
     work = Workload((PlannerTable("big", 50_000, 16, 2.0, 0.8), PlannerTable("s0", 200, 8, 1.0, 0.5),
                      PlannerTable("s1", 300, 8, 1.0, 0.5)), batch_size=16, per_table_skew=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import hiermem as hm
-from hiermem.cli import main
+from hiermem.cli.main import main
 from hiermem.sharding import (PlannerError, PlannerTable, ShardingPlan, ShardingType, TierPlacement, Topology,
                               estimate, hit_rate, naive_plan, plan)
 from hiermem.sharding.config import format_plan, load_config, parse_config

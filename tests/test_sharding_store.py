@@ -7,7 +7,7 @@ import torch
 
 import hiermem as hm
 from hiermem.sharding import ShardStore
-from hiermem.rows import initial_records
+from hiermem.store.rows import initial_records
 
 
 def test_shard_rows_start_as_the_logical_tables(tmp_path):

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.cli import main as cli_main
+from hiermem.cli.main import main as cli_main
 from hiermem.errors import TraceFormatError
-from hiermem.eviction import POLICIES
+from hiermem.core.policies import POLICIES
 from hiermem.sim import SimConfig, Simulator, TraceWriter, load_trace, simulate, write_trace
 from hiermem.sim.bounds import belady_misses, lru_mrc
 from hiermem.sim.engine import dense_rows
-from hiermem.sim.trace import import_criteo, import_movielens
-from hiermem.data import shared_data_dir
+from hiermem.sim.datasets import import_criteo, import_movielens
+from hiermem.nn.data import shared_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = shared_data_dir()
@@ -102,8 +102,8 @@ def test_bad_traces_raise_typed_errors_naming_the_file(tmp_path):
 
 
 def test_recorder_splits_multi_table_batches_per_table(tmp_path):
-    from hiermem.sim.trace import TraceRecorder
-    from hiermem.batches import Batch
+    from hiermem.observe.trace import TraceRecorder
+    from hiermem.store.placed import Batch
 
     t = torch.tensor([0, 1, 0, 2, 1])
     k = torch.tensor([5, 7, 9, 1, 3])
@@ -345,7 +345,7 @@ def test_cli_entry_point_runs(tmp_path):
     np.save(tmp_path / "ids.npy", np.arange(100, dtype=np.int64) % 7)
     assert cli_main(["trace", "import", "npy", str(tmp_path / "ids.npy"), str(tmp_path / "tr"),
                      "--table", "x", "--batch-size", "10"]) == 0
-    r = subprocess.run([sys.executable, "-m", "hiermem.cli", "sim", str(tmp_path / "tr"), "--policy", "lfu",
+    r = subprocess.run([sys.executable, "-m", "hiermem", "sim", str(tmp_path / "tr"), "--policy", "lfu",
                         "--device-rows", "7", "--prefetch-depth", "1", "--json"], check=True, cwd=ROOT,
                        capture_output=True, text=True)
     d = json.loads(r.stdout)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.data import ZipfIds
-from hiermem.eviction import POLICIES
+from hiermem.nn.data import ZipfIds
+from hiermem.core.policies import POLICIES
 from hiermem.sim import SimConfig, load_trace, simulate
-from hiermem.stats import IO
+from hiermem.observe.stats import IO
 
 PLAIN = sorted(n for n, c in POLICIES.items() if not c.wants_lookahead) + ["lookahead"]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.torchrec_compat import torchrec_available
+from hiermem.nn.torchrec import torchrec_available
 
 pytestmark = pytest.mark.skipif(not torchrec_available(), reason="torchrec is not importable")
 

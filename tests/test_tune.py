@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hiermem as hm
-from hiermem.cli import main as cli_main
-from hiermem.data import ZipfIds
+from hiermem.cli.main import main as cli_main
+from hiermem.nn.data import ZipfIds
 from hiermem.errors import MissingDependencyError
 from hiermem.sim import SimConfig, load_trace, simulate, write_trace
 from hiermem.sim.tune import TuneConfig, candidates, tune
@@ -85,7 +85,7 @@ def test_readme_tuning_commands_run(tmp_path):
     import shlex
     from pathlib import Path
 
-    from hiermem.data import shared_data_dir
+    from hiermem.nn.data import shared_data_dir
 
     if shared_data_dir() is None:
         pytest.skip("shared data absent")

@@ -67,7 +67,7 @@ _ANNOUNCED: set = set()
 
 
 def announce_compile(dispatcher, what: str) -> None:
-    """Before the first call of a kernel that :mod:`hiermem.core.warm` leaves to its first
+    """Before the first call of a kernel that :mod:`hiermem.store.warm` leaves to its first
     use: a one-line notice when no cached machine code is on disk yet (numba is about to
     compile it), once per process."""
     if DISABLED or id(dispatcher) in _ANNOUNCED:

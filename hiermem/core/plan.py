@@ -44,7 +44,7 @@ NRES = 16
 OK, CAPACITY = 0, 1
 # tier metadata
 NFREE, NPINNED, CAP, BASE = 0, 1, 2, 3
-# counters [table, tier, stat] (hiermem.stats: DEVICE HOST DISK x LOOKUPS HITS MISSES EVICTIONS WRITEBACKS)
+# counters [table, tier, stat] (hiermem.observe.stats: DEVICE HOST DISK x LOOKUPS HITS MISSES EVICTIONS WRITEBACKS)
 _DEV, _HOST, _DISK = 0, 1, 2
 _LOOKUPS, _HITS, _MISSES, _EVICTIONS, _WRITEBACKS = 0, 1, 2, 3, 4
 

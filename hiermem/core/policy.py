@@ -17,7 +17,7 @@ keys through an order-preserving bit map (:func:`f2key`), so every policy shares
 integer victim search.
 
 Adding a policy: give it a code below, a branch in :func:`new_key` (and
-:func:`lookahead_keys` if it uses future ids), and a class in :mod:`hiermem.eviction`
+:func:`lookahead_keys` if it uses future ids), and a class in :mod:`hiermem.core.policies`
 naming the code and its parameters; the contract suite runs it compiled and interpreted.
 """
 

@@ -22,13 +22,12 @@ from .index import find1
 from .jit import kernel, leaf, prefetch
 from .policy import touch
 from .victims import _sort_pairs
-from .plan import (CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_,
-                   decide_)
+from .plan import CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_, decide_
 
 _STAGE = 8  # a per-access replay prefetches ids 32 on (table), 16 on (index entry), 8 on (record)
 _AHEAD = 32  # ids ahead whose tag the dedup prefetches (19 -> 11 ns an id, 10M Zipf ids over 1M rows)
 
-# hiermem.stats.IO positions used here
+# hiermem.observe.stats.IO positions used here
 _H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
 
 

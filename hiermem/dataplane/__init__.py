@@ -4,6 +4,6 @@
 torch ops); :mod:`~hiermem.dataplane.kernels` the compiled kernels.
 """
 
-from .planes import PLANES, CompiledPlane, DataPlane, RowGrads, TorchPlane, default_plane, plane_named
+from .planes import PLANES, CompiledPlane, DataPlane, PlaneView, RowGrads, TorchPlane, default_plane, plane_named
 
-__all__ = ["PLANES", "CompiledPlane", "DataPlane", "RowGrads", "TorchPlane", "default_plane", "plane_named"]
+__all__ = ["PLANES", "CompiledPlane", "DataPlane", "PlaneView", "RowGrads", "TorchPlane", "default_plane", "plane_named"]

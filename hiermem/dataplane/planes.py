@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidArgumentError, NonFiniteGradientError
-from ..optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from .optim import SGD, Adagrad, Adam, Optimizer, RowWiseAdagrad
 from . import kernels as K
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -58,7 +58,7 @@ class RowGrads:
     src: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     summed: torch.Tensor | None = None
-    d: object = None  # the batch's staged control arrays on the device (hiermem.staged.StagedPath.stage)
+    d: object = None  # the batch's staged control arrays on the device (hiermem.store.staged.StagedPath.stage)
     defer: bool = False  # check finiteness on the device, without a host sync (see TorchPlane.check)
     ok: torch.Tensor | None = None  # bool scalar on the device: every sum finite (a deferred check)
 
@@ -79,6 +79,29 @@ class RowGrads:
         return self.summed
 
 
+@dataclass(frozen=True)
+class PlaneView:
+    """What a data plane reads of its store, and nothing else: the placement engine (its
+    ``parts(p)`` and ``gather(p, cols)`` of placed rows, its ``tiers``), the row optimizer,
+    each table's dim, record width and optimizer step (the store's own list, so a step
+    counted before a call is the one the call reads), and the store's device."""
+
+    residency: object
+    optimizer: Optimizer
+    dims: np.ndarray
+    widths: list
+    steps: list
+    device: torch.device
+
+    @property
+    def device_tier(self):
+        return self.residency.tiers[0]
+
+    @property
+    def host_tier(self):
+        return self.residency.tiers[1]
+
+
 def _refuse(what: str) -> None:
     raise NonFiniteGradientError(f"{what} contain NaN or inf (or their per-row sums overflow); nothing changed")
 
@@ -89,7 +112,7 @@ class DataPlane(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def pool(self, store, p, inverse: torch.Tensor, offsets: torch.Tensor, n: int, cols: int, mode: str,
+    def pool(self, view, p, inverse: torch.Tensor, offsets: torch.Tensor, n: int, cols: int, mode: str,
              psw: torch.Tensor | None) -> torch.Tensor:
         """Pooled rows ``[len(offsets), cols]`` of bags of positions whose distinct row is
         ``inverse [n]``, placed at ``p``; ``psw``: per-sample weights (sum mode)."""
@@ -100,17 +123,17 @@ class DataPlane(ABC):
         is not finite."""
 
     @abstractmethod
-    def apply(self, store, rg: RowGrads, p, present: list[int]) -> None:
+    def apply(self, view, rg: RowGrads, p, present: list[int]) -> None:
         """One optimizer step of every distinct row of ``rg.b`` (placed at ``p``) with its
         gradient, in place; ``present``: the batch's tables (their steps already counted)."""
 
-    def apply_row_stat(self, store, p, ti: int, g: torch.Tensor, st: torch.Tensor) -> None:
+    def apply_row_stat(self, view, p, ti: int, g: torch.Tensor, st: torch.Tensor) -> None:
         """One optimizer step of table ``ti``'s distinct rows (placed at ``p``) with
         gradients ``g [U, dim]`` and a per-row statistic ``st [U]`` reduced outside (a
-        column shard's, see :meth:`~hiermem.store.HierarchicalStore.update_with_row_stat`);
+        column shard's, see :meth:`~hiermem.view.HierarchicalStore.update_with_row_stat`);
         both in the placement's row order, on the store's device (the step already counted)."""
-        opt, dim, w, step = store.optimizer, store.tables[ti].dim, store.widths[ti], store.steps[ti]
-        for tier, slots, idx, cslots in store.residency.parts(p):
+        opt, dim, w, step = view.optimizer, int(view.dims[ti]), view.widths[ti], view.steps[ti]
+        for tier, slots, idx, cslots in view.residency.parts(p):
             gi = g if idx is None else g.index_select(0, idx).to(tier.device)
             si = st if idx is None else st.index_select(0, idx).to(tier.device)
             tier.update(slots, w, lambda data, rows, gi=gi, si=si:
@@ -138,8 +161,8 @@ class TorchPlane(DataPlane):
 
     name = "torch"
 
-    def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
-        dev, d = store.device_tier, p.dev
+    def pool(self, view, p, inverse, offsets, n, cols, mode, psw):
+        dev, d = view.device_tier, p.dev
         if d is not None:  # staged (CUDA): the device copies of the control arrays
             inverse, offsets = d.inverse, d.offsets
         if p.on_device is None:
@@ -149,7 +172,7 @@ class TorchPlane(DataPlane):
                 # tier): gather the batch's distinct rows, then pool from them
                 src, idx = dev.data.index_select(0, p.slot if d is None else d.slot)[:, :cols], inverse
         else:
-            src, idx = store.residency.gather(p, cols), inverse
+            src, idx = view.residency.gather(p, cols), inverse
         return F.embedding_bag(idx, src, offsets, mode=mode, per_sample_weights=psw)
 
     def check(self, rg, what):
@@ -164,19 +187,19 @@ class TorchPlane(DataPlane):
         if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
             _refuse(what)
 
-    def apply(self, store, rg, p, present):
-        b, g, opt = rg.b, rg.form(), store.optimizer
+    def apply(self, view, rg, p, present):
+        b, g, opt = rg.b, rg.form(), view.optimizer
         # one optimizer call per group of tables with the same dim, width and step count
         groups: dict[tuple, list[int]] = defaultdict(list)
         for ti in present:
-            groups[(store.tables[ti].dim, store.widths[ti], store.steps[ti])].append(ti)
+            groups[(int(view.dims[ti]), view.widths[ti], view.steps[ti])].append(ti)
         t = b.t.numpy()
         for (dim, width, step), tis in groups.items():
             rows = None if len(tis) == len(present) else _rows_of(t, tis)
-            for tier, slots, idx, cslots in store.residency.parts(p):
+            for tier, slots, idx, cslots in view.residency.parts(p):
                 gi = g if idx is None else g.index_select(0, idx)
                 if rows is not None:
-                    part = None if idx is None else np.flatnonzero(p.on_device.numpy() == (tier is store.device_tier))
+                    part = None if idx is None else np.flatnonzero(p.on_device.numpy() == (tier is view.device_tier))
                     sel = _select(rows, part, g.device)
                     if sel is None:
                         continue
@@ -288,10 +311,10 @@ class CompiledPlane(DataPlane):
         self._torch = TorchPlane()
 
     @staticmethod
-    def _gslots(store, p) -> np.ndarray:
+    def _gslots(view, p) -> np.ndarray:
         if p.on_device is None:
             return _np(p.slot, _NO_I64)
-        return _np(torch.where(p.on_device, p.slot, p.slot + store.device_tier.capacity), _NO_I64)
+        return _np(torch.where(p.on_device, p.slot, p.slot + view.device_tier.capacity), _NO_I64)
 
     def rows_up(self, dev, host, src, dst):
         """One pass, no intermediate (:func:`~hiermem.dataplane.kernels.rows_up`)."""
@@ -318,13 +341,13 @@ class CompiledPlane(DataPlane):
                     np.empty((dn_src.size, W), dtype=np.float32), K.AHEAD)
         return True
 
-    def pool(self, store, p, inverse, offsets, n, cols, mode, psw):
-        if store.device.type != "cpu":
-            return self._torch.pool(store, p, inverse, offsets, n, cols, mode, psw)
+    def pool(self, view, p, inverse, offsets, n, cols, mode, psw):
+        if view.device.type != "cpu":
+            return self._torch.pool(view, p, inverse, offsets, n, cols, mode, psw)
         out = torch.empty((offsets.numel(), cols), dtype=torch.float32)
-        dev, host = store.device_tier, store.host_tier
+        dev, host = view.device_tier, view.host_tier
         _threads(n * cols)
-        K.pool(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, self._gslots(store, p), _np(inverse, _NO_I64),
+        K.pool(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, self._gslots(view, p), _np(inverse, _NO_I64),
                _np(offsets, _NO_I64), n, _np(psw, _NO_F32), mode == "mean", out.numpy())
         return out
 
@@ -346,17 +369,17 @@ class CompiledPlane(DataPlane):
         if not ok or gmax * smax * int(b.counts.max()) * 2.0 >= _F32_MAX:
             self._torch.check(rg, what)
 
-    def apply(self, store, rg, p, present):
-        fused = FUSED.get(type(store.optimizer))
-        if rg.summed is not None or fused is None or store.device.type != "cpu":
-            return self._torch.apply(store, rg, p, present)
+    def apply(self, view, rg, p, present):
+        fused = FUSED.get(type(view.optimizer))
+        if rg.summed is not None or fused is None or view.device.type != "cpu":
+            return self._torch.apply(view, rg, p, present)
         kernel, params = fused
-        hp, coef = params(store.optimizer, store.steps)
-        b, dev, host = rg.b, store.device_tier, store.host_tier
-        dims, starts = store.dims, _np(b.starts, _NO_I64)
+        hp, coef = params(view.optimizer, view.steps)
+        b, dev, host = rg.b, view.device_tier, view.host_tier
+        dims, starts = view.dims, _np(b.starts, _NO_I64)
         nt = _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
         kernel(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, dev.state[2], host.state[2],
-               self._gslots(store, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts,
+               self._gslots(view, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts,
                _np(b.counts, _NO_I64), _tasks(starts, b.n, nt), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32),
                _np(rg.scale, _NO_F32), _NO_F32 if coef is None else coef, *hp)
 

@@ -21,8 +21,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..features import SparseFeatures
-from ..store import HierarchicalStore
+from ..nn.features import SparseFeatures
+from ..store.hierarchical import HierarchicalStore
 from ..types import StoreConfig, TableSpec
 from .dist import all_to_all
 from .types import PlannerTable, ShardingPlan, Topology
@@ -227,7 +227,7 @@ def bench_worker(rank: int, world: int, out: str, names: Sequence[str], steps: i
     them; rank 0 writes ``out/result.json`` (measured and estimated ms per plan)."""
     import json
 
-    from ..optim import RowWiseAdagrad
+    from ..dataplane.optim import RowWiseAdagrad
     from .planner import estimate, naive_plan, plan, step_ms
     from .types import ShardingType
 
@@ -258,7 +258,7 @@ def compare_worker(rank: int, world: int, out: str, work: Workload, budgets: tup
     import json
     from dataclasses import replace
 
-    from ..optim import RowWiseAdagrad
+    from ..dataplane.optim import RowWiseAdagrad
     from .planner import estimate, naive_plan, plan, step_ms
     from .types import PlannerError, ShardingType
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import InvalidArgumentError
-from ..optim import Optimizer, optimizer_from_dict
+from ..dataplane.optim import Optimizer, optimizer_from_dict
 from .types import PlannerTable, ShardingPlan, Topology
 
 GB = 1e9

@@ -45,9 +45,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidIdError, InvalidTypeError, NonFiniteGradientError
-from ..features import SparseFeatures
-from ..rows import initial_records
-from ..store import HierarchicalStore
+from ..nn.features import SparseFeatures
+from ..store.rows import initial_records
+from ..store.hierarchical import HierarchicalStore
 from ..types import StoreConfig, TableSpec
 from .dist import all_gather_varlen, all_reduce, all_to_all, comm_device
 from .types import ShardingPlan, ShardingType
@@ -84,9 +84,9 @@ class ShardStore(HierarchicalStore):
     def __init__(self, tables: Sequence[TableSpec], config: StoreConfig,
                  origin: Sequence[tuple[TableSpec, int, int]]):
         self._origin = tuple(origin)
-        super().__init__(tables, config)
+        super().__init__(tables, config, row_init=self._shard_records)
 
-    def _initial_records(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
+    def _shard_records(self, ti: int, ids: torch.Tensor) -> torch.Tensor:
         spec, lti, c0 = self._origin[ti]
         full = initial_records(spec, lti, self.config.seed, self.optimizer, ids)
         d = self.tables[ti].dim

@@ -31,8 +31,8 @@ import numpy as np
 
 from .cost import OptimizerCost, ShardShape, TierChoice, distinct_rows, perf, shard_shape, storage
 from .rules import CW_SPLITS, MIN_CW_DIM, SHARDING_RULES, TIER_RULES, Shape  # noqa: F401 (re-exported)
-from .types import (PlannerError, PlannerErrorKind, PlannerTable, ShardingPlan, ShardingType, ShardPlan,
-                    TablePlan, Topology)
+from .types import (PlannerError, PlannerErrorKind, PlannerTable, ShardingPlan, ShardingType, ShardPlan, TablePlan,
+                    Topology)
 
 ALL_SHARDINGS = tuple(ShardingType)
 #: A larger cache must cut a shard's estimated time by this fraction to stay a candidate.
@@ -262,7 +262,7 @@ def plan(tables: Sequence, topology: Topology, batch_size: int, optimizer=None,
         PlannerError: a table fits no rank's remaining budgets (names table and
             shortfall), or bad input.
     """
-    from ..optim import SGD
+    from ..dataplane.optim import SGD
 
     tabs = [_as_table(t) for t in tables]
     if not tabs:
@@ -309,7 +309,7 @@ def naive_plan(tables: Sequence, topology: Topology, batch_size: int, sharding: 
 
 def estimate(p: ShardingPlan, tables: Sequence, topology: Topology, batch_size: int, optimizer=None) -> list[float]:
     """The cost model's per-rank step time (ms) of an existing plan, e.g. a hand-made one."""
-    from ..optim import SGD
+    from ..dataplane.optim import SGD
 
     opt = OptimizerCost.of(optimizer if optimizer is not None else SGD())
     tabs = {t.name: t for t in (_as_table(x) for x in tables)}

@@ -122,7 +122,7 @@ def translate(tr_plan, tables: Sequence[PlannerTable], topology: Topology, batch
         InvalidArgumentError: a table is missing from the plan, or it uses a sharding
             type or compute kernel hiermem has no equivalent for.
     """
-    from ..optim import SGD
+    from ..dataplane.optim import SGD
     from .planner import estimate, step_ms
 
     opt = OptimizerCost.of(optimizer if optimizer is not None else SGD())
@@ -156,7 +156,7 @@ def fit_tiers(p: ShardingPlan, tables: Sequence[PlannerTable], topology: Topolog
     """
     import numpy as np
 
-    from ..optim import SGD
+    from ..dataplane.optim import SGD
     from .planner import estimate, step_ms, tier_candidates
     from .types import PlannerError
 

@@ -3,8 +3,8 @@
 It replays a trace through the *same* placement kernels the store uses
 (:func:`hiermem.core.plan.decide` / :func:`~hiermem.core.plan.commit`, over the same
 :class:`~hiermem.tiers.SlotTier` state with zero-width records and policies built from
-the same :class:`~hiermem.eviction.PolicySpec`, counting into the same
-:class:`~hiermem.stats.Counters`), with two substitutions that need no data: the rows
+the same :class:`~hiermem.core.policies.PolicySpec`, counting into the same
+:class:`~hiermem.observe.stats.Counters`), with two substitutions that need no data: the rows
 are numbered densely per table (a direct index over the trace's distinct rows), and
 LMDB is a bit per row ("has been written down").  Replaying a trace captured from a
 store reproduces the store's counters by construction; ``tests/test_sim_exact.py`` keeps
@@ -43,16 +43,18 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError, InvalidArgumentError, InvalidTypeError
-from ..eviction import PolicySpec, resolve_policy
+from ..core.policies import PolicySpec, resolve_policy
 from ..core import plan as _plan
 from ..core.index import KeyIndex
 from ..core.jit import announce_compile
 from ..core.replay import PIPELINE_IDS, rank_dense, replay, replay_pipelined
-from ..stats import IO, STAT_TIERS, Counters, Stat
+from ..observe.stats import IO, STAT_TIERS, Counters, Stat
 from ..tiers.slots import SlotTier, by_tier
 from ..types import Tier
 from .cost import CostModel, StepTime
-from .trace import Trace, load_trace
+from ..observe.trace import Trace, load_trace
+from ..store.hierarchical import HierarchicalStore
+from ..store.warm import ensure_compiled
 
 _CPU = torch.device("cpu")
 
@@ -263,6 +265,7 @@ class Simulator:
     def __init__(self, trace: Union[Trace, str, os.PathLike], config: SimConfig):
         if not isinstance(config, SimConfig):
             raise InvalidTypeError("config must be a hiermem.sim.SimConfig")
+        ensure_compiled(store_class=HierarchicalStore)  # the first use compiles the kernels, once
         self.trace = trace if isinstance(trace, Trace) else load_trace(trace)
         self.config = config
         self.spec = config.policy_spec()

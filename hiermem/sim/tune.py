@@ -20,11 +20,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidTypeError, MissingDependencyError
-from ..eviction import PolicySpec
+from ..core.policies import PolicySpec
 from .bounds import belady_misses, lru_mrc
 from .cost import CostModel
 from .engine import SimConfig, SimResult, dense_rows, simulate
-from .trace import Trace, load_trace
+from ..observe.trace import Trace, load_trace
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ def _toml_value(v) -> str:
 
 
 def write_policy_file(path: Path, s: Scored, trace: Trace) -> Path:
-    """The winner as a policy file (keys that :func:`~hiermem.eviction.resolve_policy` reads)."""
+    """The winner as a policy file (keys that :func:`~hiermem.core.policies.resolve_policy` reads)."""
     c = s.candidate
     desc = (f"tuned by hiermem tune on {trace.path.name}: device hit rate {s.hit_rate:.4f}, "
             f"est. step {1e3 * s.step_seconds:.3f} ms")

@@ -36,16 +36,16 @@ import lmdb
 import numpy as np
 
 from ..errors import DiskFullError, HierMemError, StoreFormatError, StoreIOError
-from ..stats import Histogram
+from ..observe.stats import Histogram
 from .io_procs import IOProcesses
 from .ioerrors import _disk_full, _is_enospc, retry_read, typed
 from .lmdb_process import LmdbProcess, LmdbProcessError
-from .mapgrow import (PREALLOCATING_FILESYSTEMS, WRITEMAP_INITIAL, _round_up,  # noqa: F401
-                      filesystem_type, grow_map, preallocate, writemap_safe, writemap_size)
+from .mapgrow import (PREALLOCATING_FILESYSTEMS, WRITEMAP_INITIAL, _round_up, filesystem_type, grow_map, preallocate,
+                      writemap_safe, writemap_size)
 from .read_ahead import AHEAD_BATCHES, ReadAhead, _Ahead  # noqa: F401
-from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY,  # noqa: F401
-                      ROWS_DB_V1, _check_lmdb_file, concat_records, decode_keys, id_keys, key_list, meta_bytes,
-                      parse_meta, parse_values, refuse_v1, table_db, table_of_db, table_records, value_list)
+from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, META_KEY, ROWS_DB_V1,
+                      _check_lmdb_file, concat_records, decode_keys, id_keys, key_list, meta_bytes, parse_meta,
+                      parse_values, refuse_v1, table_db, table_of_db, table_records, value_list)
 from .slots import table_groups
 from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
 from .combine import WriteCombiner

@@ -33,7 +33,7 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from ..core.layout import RECORD
-from ..eviction import PolicySpec
+from ..core.policies import PolicySpec
 from ..types import Tier
 from .slots import SlotTier
 

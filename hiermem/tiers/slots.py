@@ -20,7 +20,7 @@ import torch
 from ..core.index import as_array
 from ..core.layout import RECORD, slot_records
 from ..core.plan import BASE, CAP, NFREE, NPINNED
-from ..eviction import PolicySpec
+from ..core.policies import PolicySpec
 from ..types import Tier
 
 

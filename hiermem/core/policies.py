@@ -1,0 +1,337 @@
+"""Eviction policies: a compiled key per slot (:mod:`hiermem.core.policy`), shared by the
+store and the simulator, resolved by name through :data:`POLICIES` (or a TOML policy
+file) once, when a tier is built.
+
+A policy keeps one int64 *eviction key* per slot; the victims are the evictable slots
+with the smallest ``(key, slot)`` (ties go to the lower slot, so every caller that asks
+the same question gets the same answer).  ``clock`` values are the store's global access
+counter: the position of a row's last access in the stream of all ids looked up, so LRU
+order is exact per access even inside one batch.  The store and the simulator never call
+the methods below per batch: their placement kernels (:mod:`hiermem.core.plan`) update
+:attr:`EvictionPolicy.state` directly.  The methods are the same kernels, batch by batch,
+for tools and tests.
+
+Victims come from the tier's reservoir (:mod:`hiermem.core.victims`): exact, without a
+pass over the tier per evicting batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from . import policy as _pk
+from . import victims as _vk
+from .index import as_array
+from ..errors import InvalidArgumentError, InvalidTypeError, PolicyFileError
+
+
+class EvictionPolicy:
+    """Scores the slots of one tier (state in flat arrays, updated by compiled kernels).
+
+    Args:
+        capacity: number of slots.
+        device: ignored (the control plane is always on the CPU); kept for callers.
+    """
+
+    name: ClassVar[str]
+    #: the policy's code in :mod:`hiermem.core.policy`
+    code: ClassVar[int]
+    #: True for policies that use :meth:`on_lookahead` (the store's prefetch pipeline and
+    #: the simulator call it only for them).
+    wants_lookahead: ClassVar[bool] = False
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", **params: Any):
+        if params:
+            raise PolicyFileError(f"policy {self.name!r} takes no parameters {sorted(params)}")
+        self.capacity = C = int(capacity)
+        self._key = np.zeros(C, dtype=np.int64)
+        self._score = np.zeros(C, dtype=np.float64)
+        self._uses = np.zeros(C, dtype=np.int64)
+        self.key = torch.from_numpy(self._key)
+        hc = _vk.heap_capacity(C)
+        self.state = (self._key, self._score, self._uses, np.array(self._params(), dtype=np.float64),
+                      _vk.new_state(C), np.empty(C, dtype=np.int64), np.empty(C, dtype=np.int64),
+                      np.empty(hc, dtype=np.int64), np.empty(hc, dtype=np.int64),
+                      np.empty(hc, dtype=np.int64), np.empty(hc, dtype=np.int64))
+
+    def adopt_keys(self, key: np.ndarray) -> None:
+        """Keep the keys in ``key`` (int64, at least ``capacity`` entries; the tier's
+        slot records, :mod:`hiermem.core.layout`) instead of an array of their own."""
+        key[:self.capacity] = self._key
+        self._key = key
+        self.key = torch.from_numpy(key[:self.capacity])
+        self.state = (key,) + self.state[1:]
+
+    def _params(self) -> list[float]:
+        return [float(self.code), 0.0, 0.0, 0.0]
+
+    @property
+    def incremental(self) -> bool:
+        return _pk.incremental(self.code)
+
+    @property
+    def reservoir_builds(self) -> int:
+        return int(self.state[4][5])
+
+    @property
+    def reservoir(self) -> bool:
+        """Whether victims come from the reservoir (True) or a pass over the tier per
+        evicting batch (False: the reference the tests compare it with)."""
+        return not self.state[4][_vk.SCAN_ONLY]
+
+    @reservoir.setter
+    def reservoir(self, on: bool) -> None:
+        self.state[4][_vk.SCAN_ONLY] = 0 if on else 1
+
+    def reset(self) -> None:
+        """Forget the victim search (every slot was emptied)."""
+        rm = self.state[4]
+        rm[:_vk.SCAN_ONLY] = 0
+
+    def on_access(self, slots, clock, counts) -> None:
+        """Resident ``slots`` were used ``counts`` times, last at access ``clock``."""
+        _pk.access(self.state, as_array(slots), as_array(clock), as_array(counts), False)
+
+    def on_insert(self, slots, clock, counts) -> None:
+        """Rows new to the cache (from disk or the initialiser) entered ``slots``."""
+        _pk.access(self.state, as_array(slots), as_array(clock), as_array(counts), True)
+
+    def on_remove(self, slots) -> None:
+        """Rows left ``slots`` (evicted, promoted or dropped): their keys go stale."""
+
+    def carry(self, slots) -> torch.Tensor:
+        """State to hand to another tier when rows move: ``[n, 3]`` float64 (key bits,
+        score, uses)."""
+        s = as_array(slots)
+        out = np.empty((s.size, 3), dtype=np.float64)
+        out[:, 0] = self._key[s].view(np.float64)
+        out[:, 1] = self._score[s]
+        out[:, 2] = self._uses[s]
+        return torch.from_numpy(out)
+
+    def on_carry_in(self, slots, carried) -> None:
+        """Rows moved in from another tier of the same policy, with their :meth:`carry`."""
+        c = as_array(carried, np.float64)
+        _pk.carry_in(self.state, as_array(slots), np.ascontiguousarray(c[:, 0]).view(np.int64),
+                     np.ascontiguousarray(c[:, 1]), c[:, 2].astype(np.int64))
+
+    def on_lookahead(self, slots) -> None:
+        """The rows in ``slots`` will be used by the next ``window`` batches; this set
+        replaces the previous call's.  Default: ignored."""
+        _pk.lookahead_keys(self.state, as_array(slots))
+
+    def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
+        """``n`` slots to evict, the smallest ``(key, slot)`` first, among the slots of
+        the bool mask ``evictable`` (one pass; the store's placement uses the reservoir).
+
+        Raises:
+            InvalidArgumentError: fewer than ``n`` slots are evictable (cachetools' "cache
+                is empty" rule: a policy never evicts what it must keep).
+        """
+        if n <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        ev = as_array(evictable, np.bool_)
+        keys_t = np.where(ev, 0, -1).astype(np.int64)
+        out = np.empty(n, dtype=np.int64)
+        got = _vk.scan(self.state, keys_t, np.zeros(self.capacity, np.int32), np.zeros(self.capacity, np.uint8),
+                       n, out)
+        if got < n:
+            raise InvalidArgumentError(f"need {n} victims, only {got} evictable")
+        return torch.from_numpy(out)
+
+    def check_reservoir(self, occupied) -> None:
+        """Assert the reservoir's invariant (a debugging aid; O(capacity))."""
+        kt = np.where(as_array(occupied, np.bool_), 0, -1).astype(np.int64)
+        assert _vk.check(self.state, kt), f"{self.name}: a slot with a key <= tau is not in the reservoir"
+
+
+class LRU(EvictionPolicy):
+    """Least recently used: the key is the clock of the slot's last access."""
+
+    name = "lru"
+    code = _pk.LRU
+
+
+class LFU(EvictionPolicy):
+    """Least frequently used; ties go to the least recently used (as ``cachetools.LFUCache``).
+
+    The key packs ``count << 40 | last_clock``.  A row inserted from disk starts with the
+    count of its accesses in the inserting batch; rows moving between tiers keep theirs.
+    """
+
+    name = "lfu"
+    code = _pk.LFU
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRU, "lfu": LFU}
+
+
+def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """Class decorator adding a policy to the registry under ``cls.name``."""
+    POLICIES[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A resolved policy: its registry name and constructor parameters."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+    source: str | None = None  # the policy file it came from, if any
+
+    def build(self, capacity: int, device: torch.device | str = "cpu") -> EvictionPolicy:
+        return POLICIES[self.name](capacity, device, **self.params)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "params": dict(self.params)}
+
+
+_FILE_KEYS = {"name", "description", "params", "device_rows", "host_rows", "prefetch_depth"}
+
+
+#: what a policy file's tier sizes and depth must be: (key, smallest value)
+POLICY_SETTINGS = (("device_rows", 1), ("host_rows", 1), ("prefetch_depth", 0))
+
+
+def _read_policy_file(policy: str | os.PathLike) -> tuple[Path, dict] | None:
+    """``(path, document)`` of a policy file, or None for a registry name."""
+    s = os.fspath(policy)
+    if s in POLICIES:
+        return None
+    path = Path(s)
+    if path.suffix != ".toml" or not path.is_file():
+        raise PolicyFileError(f"unknown policy {s!r}: not one of {sorted(POLICIES)} nor a policy .toml file")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise PolicyFileError(f"{path}: cannot read policy file: {e}") from e
+    unknown = set(doc) - _FILE_KEYS
+    if unknown:
+        raise PolicyFileError(f"{path}: unknown keys {sorted(unknown)} (allowed: {sorted(_FILE_KEYS)})")
+    return path, doc
+
+
+def policy_settings(policy: str | os.PathLike) -> dict[str, int]:
+    """The tier sizes and prefetch depth a policy file names (``device_rows``,
+    ``host_rows``, ``prefetch_depth``; only those it has); ``{}`` for a registry name.
+
+    :class:`~hiermem.StoreConfig` applies them where its own argument is None, and
+    :class:`~hiermem.PrefetchPipeline` the depth where its ``depth`` is None.
+
+    Raises:
+        PolicyFileError: unreadable file, unknown keys, or a value that is not an int
+            at least its minimum (naming the key).
+    """
+    got = _read_policy_file(policy)
+    if got is None:
+        return {}
+    path, doc = got
+    out = {}
+    for key, least in POLICY_SETTINGS:
+        if key in doc:
+            v = doc[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise PolicyFileError(f"{path}: {key} must be an int >= {least}, got {v!r}")
+            out[key] = v
+    return out
+
+
+def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
+    """A policy name (``"lru"``) or the path of a TOML policy file -> :class:`PolicySpec`.
+
+    A policy file looks like::
+
+        name = "lfu"                 # registry name
+        description = "..."          # optional
+        device_rows = 4096           # optional tier sizes and prefetch depth: applied by
+        host_rows = 65536            #   StoreConfig / PrefetchPipeline where their own
+        prefetch_depth = 2           #   arguments are not given (see policy_settings)
+        [params]                     # optional constructor parameters
+
+    Raises:
+        PolicyFileError: unknown policy name, unreadable file, unknown keys.
+    """
+    got = _read_policy_file(policy)
+    if got is None:
+        return PolicySpec(os.fspath(policy))
+    path, doc = got
+    name = doc.get("name")
+    if name not in POLICIES:
+        raise PolicyFileError(f"{path}: unknown policy name {name!r} (known: {sorted(POLICIES)})")
+    params = doc.get("params", {})
+    if not isinstance(params, dict):
+        raise PolicyFileError(f"{path}: [params] must be a table")
+    spec = PolicySpec(name, dict(params), str(path.resolve()))  # reopenable from any cwd
+    try:
+        spec.build(1, "cpu")  # validate parameters now, not at first eviction
+    except (TypeError, ValueError) as e:
+        raise PolicyFileError(f"{path}: bad parameters for {name!r}: {e}") from e
+    return spec
+
+def _number(name: str, v, lo: float, integer: bool = False):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise InvalidTypeError(f"{name} must be {'an int' if integer else 'a number'}, got {v!r}")
+    if not (math.isfinite(v) and v >= lo):
+        raise InvalidArgumentError(f"{name} must be finite and >= {lo}, got {v!r}")
+    return v
+
+
+@register_policy
+class LFUDecay(EvictionPolicy):
+    """LFU with exponential aging: a use at access ``t`` weighs ``2**((t - now) / half_life)``.
+
+    The score of a slot is ``log2(sum of counts * 2**(t / half_life))`` over its uses,
+    which orders slots by their decayed count at any common time and never overflows.
+    Rows used fewer than ``admit`` times since entering the cache tiers are *on
+    probation* and evicted before every admitted row (a frequency admission filter).
+    Scores and use counts move with rows between tiers.
+
+    Args:
+        half_life: accesses after which a use counts half (large = LFU, small = LRU).
+        admit: uses needed to leave probation (1 = no filter).
+    """
+
+    name = "lfu_decay"
+    code = _pk.LFU_DECAY
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", half_life: float = 100_000.0,
+                 admit: int = 1):
+        self.half_life = float(_number("half_life", half_life, 1e-9))
+        self.admit = int(_number("admit", admit, 1, integer=True))
+        super().__init__(capacity, device)
+
+    def _params(self) -> list[float]:
+        return [float(self.code), self.half_life, float(self.admit), 0.0]
+
+    @property
+    def score(self) -> torch.Tensor:
+        return torch.from_numpy(self._score)
+
+
+@register_policy
+class Lookahead(EvictionPolicy):
+    """Evict first the rows not used by the next ``window`` batches, LRU among equals.
+
+    The key is ``last_clock | SOON`` where ``SOON`` (bit 62) marks the slots named by the
+    last :meth:`on_lookahead` call.  Without lookahead calls it is exact LRU.
+
+    Args:
+        window: batches to look ahead; 0 means the prefetch depth of the run.
+    """
+
+    name = "lookahead"
+    code = _pk.LOOKAHEAD
+    wants_lookahead = True
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", window: int = 0):
+        self.window = int(_number("window", window, 0, integer=True))
+        super().__init__(capacity, device)

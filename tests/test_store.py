@@ -47,11 +47,11 @@ def test_counters_are_shared_and_cannot_be_replaced(tmp_path):
 
     s = _store(tmp_path)
     with pytest.raises(AttributeError):
-        s.counters = hm.stats.Counters(2)
+        s.counters = hm.observe.stats.Counters(2)
     s.lookup("a", torch.tensor([1, 2]))
     s.lookup("a", torch.tensor([3]))  # 3 misses, one row down to host
     t = s.counters.table[0]
-    assert int(t[hm.Tier.DEVICE, hm.stats.Stat.MISSES]) == 3 and int(t[hm.Tier.DEVICE, hm.stats.Stat.EVICTIONS]) == 1
+    assert int(t[hm.Tier.DEVICE, hm.observe.stats.Stat.MISSES]) == 3 and int(t[hm.Tier.DEVICE, hm.observe.stats.Stat.EVICTIONS]) == 1
     assert s.stats()["a"]["device"]["misses"] == 3
     s.close()
 

@@ -49,8 +49,8 @@ def shared_data_dir() -> Path | None:
     """``../shared/data`` next to the checkout (or ``$HIERMEM_DATA``), if present."""
     env = os.environ.get("HIERMEM_DATA")
     cands = [Path(env)] if env else []
-    here = Path(__file__).resolve().parent.parent
-    cands += [here.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    checkout = Path(__file__).resolve().parents[2]  # hiermem/nn/data.py -> the checkout
+    cands += [checkout.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
     for c in cands:
         if c.is_dir():
             return c

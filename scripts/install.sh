@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install hiermem (editable) and what it needs on a fresh machine. Run it inside a virtual
 # environment (python3 -m venv .venv && . .venv/bin/activate).
-#   bash scripts/install.sh          # library + CLI
-#   bash scripts/install.sh test     # + test dependencies (pytest, hypothesis, matplotlib; torchrec
+#   bash scripts/install.sh          # library + CLI (matplotlib included: the demo's demo.png)
+#   bash scripts/install.sh test     # + test dependencies (pytest, hypothesis; torchrec
 #                                    #   1.8 on the CPU torch 2.13 build, for the KeyedJaggedTensor test)
 #   bash scripts/install.sh peers    # + libcachesim (the simulator's cross-check; pulls the AWS SDK)
 #   bash scripts/install.sh bench    # + the FBGEMM CPU build used by scripts/bench_store.py

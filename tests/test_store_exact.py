@@ -139,4 +139,5 @@ def _machine(opt, policy):
 for _opt in OPTIMIZERS:
     for _pol in ("lru", "lfu"):
         _m = _machine(_opt, _pol)
-        globals()[f"Test{_m.__name__}"] = _m.TestCase
+        # the LRU machines take 10-18 s each here (the LFU ones 1.4-2 s): slow, run in full runs and CI
+        globals()[f"Test{_m.__name__}"] = pytest.mark.slow(_m.TestCase) if _pol == "lru" else _m.TestCase

@@ -15,7 +15,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Show defaults, but not the ``None``/``False`` of flags whose help says what they do."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+        if any(action.default is d for d in (None, False, argparse.SUPPRESS)) or "default" in (action.help or ""):
+            # `is`, not `in`: a default of 0 equals False and is still shown
             return action.help
         return super()._get_help_string(action)
 
@@ -223,32 +224,33 @@ def _add_demo(sub) -> None:
     d.add_argument("--no-progress", action="store_true", help="a log line every --log-every steps, not a bar")
     d.add_argument("--log-every", type=positive, default=25, help="steps between log lines with --no-progress")
     d.add_argument("--no-png", action="store_true", help="do not save demo.png (loss and hit rates)")
-    d.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port")
+    d.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (default: none)")
     d.add_argument("--metrics-addr", default="127.0.0.1", help="address for /metrics")
     d.set_defaults(fn=_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hiermem", formatter_class=_Help,
-                                description="Hierarchical embedding memory for PyTorch.")
+                                description="Hierarchical embedding memory for PyTorch.",
+                                epilog="hiermem CMD --help lists every option of CMD with its default.")
     p.add_argument("--version", action="version", version=f"hiermem {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     _add_demo(sub)
     v = sub.add_parser("serve", formatter_class=_Help,
                        help="keep a store at rest open and serve its Prometheus /metrics")
-    v.add_argument("path")
+    v.add_argument("path", help="the store's directory")
     v.add_argument("--port", type=port, default=9400, help="port to bind")
     v.add_argument("--addr", default="127.0.0.1", help="address to bind")
     v.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     v.set_defaults(fn=_serve_cmd)
     s = sub.add_parser("stats", formatter_class=_Help, help="summarise a store's layout and lifetime counters")
-    s.add_argument("path")
+    s.add_argument("path", help="the store's directory")
     s.add_argument("--json", action="store_true", help="every counter per table and tier, as JSON")
     s.set_defaults(fn=_stats)
     x = sub.add_parser("export", formatter_class=_Help,
                        help="write a table's rows (ids, weights) to .npy; works while a process trains")
-    x.add_argument("path")
-    x.add_argument("--table", required=True)
+    x.add_argument("path", help="the store's directory")
+    x.add_argument("--table", required=True, help="table name")
     x.add_argument("--out", required=True, help="FILE.npy (a structured array: id int64, weight float32[dim])")
     x.set_defaults(fn=_export)
     pl = sub.add_parser("plan", formatter_class=_Help,

@@ -12,6 +12,7 @@ the store's update, as ``[distinct rows, dim]``.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class _PooledLookup(torch.autograd.Function):
     def backward(ctx, grad):
         tables, ids, offsets, weights = ctx.args
         module = ctx.module
+        t0 = time.perf_counter()
         try:
             module.store.update_bags(tables, ids, offsets, grad.contiguous(), module.mode, weights, ticket=ctx.ticket,
                                      stepped=module._all_tables)
@@ -56,6 +58,7 @@ class _PooledLookup(torch.autograd.Function):
             if ctx.pending is not None:
                 ctx.pending.release()
             ctx.args = None
+            module.thread_seconds["backward"] += time.perf_counter() - t0
         return (None,) * 7
 
 
@@ -100,6 +103,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.dims = [s.dim for s in self.tables]
         self.names = [s.name for s in self.tables]
         self._pending: dict[int, object] = {}  # id(features) -> a PrefetchPipeline's handle
+        #: seconds the calling (training) thread spent in this module's forward and in its
+        #: backward (the fused update, and the prefetch pipeline's release): its share of
+        #: the step's critical path
+        self.thread_seconds = {"forward": 0.0, "backward": 0.0}
         self._cols: dict[tuple, torch.Tensor] = {}
         self._all_tables = list(range(len(self.tables)))
         self._table_of = {n: i for i, n in enumerate(self.names)}
@@ -266,6 +273,19 @@ class CachedEmbeddingBagCollection(nn.Module):
             return torch.from_numpy(repeat(key_t.numpy(), lengths.contiguous().numpy(), f.batch_size))
         return torch.repeat_interleave(key_t, f.key_lengths().cpu())
 
+    def lookup_tensors(self, features) -> tuple:
+        """``(tables, ids, offsets, weights)`` of the store's ``lookup_bags`` for
+        ``features`` (validated).  Ids, tables and offsets are the control plane's: the
+        store reads them on the CPU, so they stay where the loader put them (moving CPU
+        ids to a GPU would only make the store copy them back, and wait for it)."""
+        f = self._features(features)
+        ids = f.values.to(torch.int64)
+        tables = self.id_tables(f)
+        offsets = f.offsets()[:-1]
+        weights = None if f.weights is None or not self._layout.weighted else \
+            f.weights.to(self.store.device, torch.float32, non_blocking=True)
+        return tables, ids, offsets, weights
+
     def _columns(self, keys: tuple[str, ...]) -> torch.Tensor | None:
         """Columns of ``[B, len(keys) * max_dim]`` that form the output in table order."""
         ck = keys
@@ -281,18 +301,22 @@ class CachedEmbeddingBagCollection(nn.Module):
     def forward(self, features, as_dict: bool = False):
         """Pooled embeddings ``[B, sum(dims)]`` (table order), or ``{table: [B, dim]}``
         (``as_dict`` or ``output="dict"``), or a ``KeyedTensor`` (``output="keyed"``)."""
+        t0 = time.perf_counter()
+        try:
+            return self._forward(features, as_dict)
+        finally:
+            self.thread_seconds["forward"] += time.perf_counter() - t0
+
+    def _forward(self, features, as_dict: bool):
         pending = self._pending.pop(id(features), None)
-        f = self._features(features)
-        dev = self.store.device
+        ready = pending.ready() if pending is not None else None
+        if ready is not None:  # formed ahead, off this thread, by the pipeline
+            f = pending.sf
+            tables, ids, offsets, weights = ready
+        else:
+            f = self._features(features)
+            tables, ids, offsets, weights = self.lookup_tensors(f)
         B, T = f.batch_size, len(f.keys)
-        # ids, tables and offsets are the control plane's: the store reads them on the CPU,
-        # so they stay where the loader put them (moving CPU ids to a GPU would only make
-        # the store copy them back, and wait for it)
-        ids = f.values.to(torch.int64)
-        tables = self.id_tables(f)
-        offsets = f.offsets()[:-1]
-        weights = None if f.weights is None or not self._layout.weighted else \
-            f.weights.to(dev, torch.float32, non_blocking=True)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
         pooled = _PooledLookup.apply(anchor, self, tables, ids, offsets, weights, pending)
         if pending is not None and not pooled.requires_grad:  # no backward will run: unpin now

@@ -218,15 +218,40 @@ class _Handle:
 
     pipe: "PrefetchPipeline"
     features: Any
-    tables: torch.Tensor
-    ids: torch.Tensor
+    sf: SparseFeatures  # the features as the collection's (validated on the training thread)
     index: int = 0
+    # the lookup's tensors, formed on the read-ahead thread (prepare): table of each id,
+    # the ids as int64, the bags' offsets, the per-sample weights
+    tables: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    prepared: threading.Event = field(default_factory=threading.Event)
+    plock: threading.Lock = field(default_factory=threading.Lock)
     result: Ticket | None = None
     submitted: bool = False
     next: "_Handle | None" = None  # the batch k steps later, prefetched after this lookup
     released: bool = False
     looked: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+
+    def prepare(self) -> None:
+        """Form the lookup's tensors once (any thread; the first caller forms them, a
+        second waits for it): the read-ahead thread, ahead of the batch, or whoever needs
+        them first when it has fallen behind (an LMDB read of an earlier batch)."""
+        with self.plock:
+            if self.prepared.is_set():
+                return
+            try:
+                self.tables, self.ids, self.offsets, self.weights = self.pipe.module.lookup_tensors(self.sf)
+            finally:
+                self.prepared.set()
+
+    def ready(self) -> tuple | None:
+        """The prepared ``(tables, ids, offsets, weights)``, or None when not formed (bad
+        features: the lookup forms them again, and raises)."""
+        self.prepare()
+        return None if self.tables is None else (self.tables, self.ids, self.offsets, self.weights)
 
     # called by the module ----------------------------------------------------------------
     def ticket(self) -> Ticket | None:
@@ -260,7 +285,11 @@ class _Handle:
         self.released = True
         ticket = self.result
         if ticket is not None:
-            self.pipe._worker.submit(lambda: self.pipe._timed_release(ticket))
+            w = self.pipe._worker
+            if w.busy():  # after the jobs already queued (the next batch's prefetch), in order
+                w.submit(lambda: self.pipe._timed_release(ticket))
+            else:  # the same order: nothing is queued before it; no thread round trip
+                self.pipe._timed_release(ticket)
         if self.next is not None:
             self.pipe._submit(self.next)  # no-op when already submitted
 
@@ -328,7 +357,8 @@ class PrefetchPipeline:
         self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead", inline=not self.background)
         self._keep = depth + 2 + self._window  # read-ahead batches the disk tier keeps
         self.wait_seconds = 0.0
-        self.prefetch_seconds = 0.0  # store.prefetch and release on the prefetch thread (only it adds)
+        self.next_seconds = 0.0  # the training thread's, in __next__
+        self.prefetch_seconds = 0.0  # store.prefetch and release (on the prefetch thread, or inline when it is idle)
         self.read_ahead_seconds = 0.0  # store.read_ahead on the read-ahead thread (only it adds)
         self.late_batches = 0
         self.steps = 0
@@ -352,7 +382,7 @@ class PrefetchPipeline:
             return False
         f = self._features(batch)
         sf = self.module.as_features(f)
-        h = _Handle(self, f, self.module.id_tables(sf), sf.values.to(torch.int64), index=self._nread)
+        h = _Handle(self, f, sf, index=self._nread)
         self._index[self._nread] = h
         self._index.pop(self._nread - self.depth - 2 * self._window - 2, None)
         self._nread += 1
@@ -373,7 +403,9 @@ class PrefetchPipeline:
     def _read_ahead(self, h: _Handle) -> None:
         t0 = time.perf_counter()
         try:
-            self.store.read_ahead(h.tables, h.ids, keep=self._keep)
+            h.prepare()
+            if h.tables is not None:
+                self.store.read_ahead(h.tables, h.ids, keep=self._keep)
         except HierMemError:  # only speed is lost: the prefetch or lookup reads, and raises
             pass
         finally:
@@ -387,8 +419,10 @@ class PrefetchPipeline:
         def job():
             t0 = time.perf_counter()
             try:
+                h.prepare()
                 self._set_lookahead(h)
-                h.result = self.store.prefetch(h.tables, h.ids)
+                if h.tables is not None:  # bad features: the lookup raises
+                    h.result = self.store.prefetch(h.tables, h.ids, h.offsets, self.module.mode, h.weights)
             finally:
                 self.prefetch_seconds += time.perf_counter() - t0
                 h.done.set()
@@ -406,6 +440,8 @@ class PrefetchPipeline:
         if not self._window:
             return
         nxt = [self._index[j] for j in range(h.index + 1, h.index + 1 + self._window) if j in self._index]
+        for x in [h] + nxt:
+            x.prepare()
         if nxt:
             self.store.set_lookahead(torch.cat([x.tables for x in nxt]), torch.cat([x.ids for x in nxt]))
         else:
@@ -422,6 +458,20 @@ class PrefetchPipeline:
         return self
 
     def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.next_seconds += time.perf_counter() - t0
+
+    @property
+    def critical_path_seconds(self) -> float:
+        """Seconds the training thread has spent inside hiermem: taking batches from this
+        pipeline, and the module's forwards and backwards (what the step waits for)."""
+        t = self.module.thread_seconds
+        return self.next_seconds + t["forward"] + t["backward"]
+
+    def _next(self):
         if self._closed:
             raise StopIteration
         if self.adaptive:
@@ -533,6 +583,7 @@ class PrefetchPipeline:
         st = self.store.stats()["_store"]
         return {"steps": self.steps, "depth": self.depth, "mode": self.mode, "background": self.background,
                 "background_reason": self.background_reason, "adaptive": self.adaptive, "trials": list(self.trials), "wait_seconds": self.wait_seconds,
+                "critical_path_seconds": self.critical_path_seconds,
                 "prefetch_seconds": self.prefetch_seconds, "read_ahead_seconds": self.read_ahead_seconds,
                 "late_batches": self.late_batches, "min_effective_depth": self.min_effective_depth,
                 "mean_effective_depth": self._depth_sum / max(1, self.steps),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .multi import BagMemo, MultiIds, Place, Prefetches, Ticket, bags_of, offsets_of, ticket_batch
+from .multi import BagMemo, MultiIds, Place, Prefetches, ReadyBags, Ticket, bags_of, offsets_of, ticket_batch
 from .placed import Batch, Placement
 from ..dataplane import PlaneView
 from ..dataplane.batch import tables_present
@@ -53,8 +53,12 @@ class BagOps:
             t, k = self.multi.ids(tables, ids)
         n = k.numel() if b is None else b.n
         offsets_in = offsets
-        offsets = offsets_of(n, offsets)
-        bag, scale = bags_of(n, offsets, mode, per_sample_weights, view.device)
+        ready = ticket.bags if b is not None else None
+        if ready is not None and ready.matches(offsets, mode, per_sample_weights):
+            offsets, bag, scale = ready.offsets, ready.bag, ready.scale
+        else:
+            offsets = offsets_of(n, offsets)
+            bag, scale = bags_of(n, offsets, mode, per_sample_weights, view.device)
         D = self.max_dim
         if n == 0:
             return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=view.device)
@@ -72,6 +76,12 @@ class BagOps:
                             res.epoch, ticket, bag, scale, offsets.numel())
         return res.plane.pool(view, p, b.inverse, offsets, n, D, mode,
                               None if per_sample_weights is None else scale)
+
+    def prepare(self, n: int, offsets: torch.Tensor, mode: str, per_sample_weights: torch.Tensor | None) -> ReadyBags:
+        """The bags of a lookup of ``n`` ids, validated ahead of it (see :class:`ReadyBags`)."""
+        o = offsets_of(n, offsets)
+        bag, scale = bags_of(n, o, mode, per_sample_weights, self.view.device)
+        return ReadyBags(offsets, offsets._version, mode, per_sample_weights, o, bag, scale)
 
     def update(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, mode: str,
                per_sample_weights: torch.Tensor | None, ticket: Ticket | None, stepped: list[int] | None) -> None:

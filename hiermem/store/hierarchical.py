@@ -357,7 +357,8 @@ class HierarchicalStore:
             token = self._disk.begin_read_ahead()
         return self._disk.read_ahead(groups, token, keep=keep)
 
-    def prefetch(self, tables: torch.Tensor, ids: torch.Tensor) -> Ticket:
+    def prefetch(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+                 mode: str = "sum", per_sample_weights: torch.Tensor | None = None) -> Ticket:
         """Make the rows of an upcoming batch resident (device first) and pin them.
 
         Residency is accounted here, exactly as the batch's lookup would account it; the
@@ -370,13 +371,19 @@ class HierarchicalStore:
         Args:
             tables: table index of each id (int, 1-D).
             ids: the ids (int, 1-D), duplicates allowed.
+            offsets, mode, per_sample_weights: the bags of the ``lookup_bags`` this ticket
+                is for, when known: their validation and each id's bag are done here (on the
+                prefetch thread), and that lookup, given these very tensors, reuses them.
         """
         with self._lock:
             self._check_open()
             b = self._multi.dedup(tables, ids)
             if b is not None and self._recorder is not None:  # traces keep batch order, refused prefetches too
                 self._recorder.record(b)
-            return self._prefetches.prefetch(b, tables, ids, self._place)
+            ticket = self._prefetches.prefetch(b, tables, ids, self._place)
+            if offsets is not None and b is not None:
+                ticket.bags = self._bags.prepare(b.n, offsets, mode, per_sample_weights)
+            return ticket
 
     def release(self, ticket: Ticket) -> None:
         """Unpin the rows of a prefetched batch (idempotent)."""

@@ -58,9 +58,28 @@ class Ticket:
     batch: object = None  # the prefetch's dedup (a store Batch), for its lookup to reuse
     src: tuple | None = None  # the (tables, ids) tensors the prefetch was given
     slots: torch.Tensor | None = None  # device slots of its rows while pinned (they cannot move)
+    bags: "ReadyBags | None" = None  # the lookup's bags, prepared with the prefetch
 
     def __len__(self) -> int:
         return self.k.numel()
+
+
+@dataclass
+class ReadyBags:
+    """A lookup's validated bags, prepared ahead (by the prefetch of its batch): reused
+    when the lookup passes the very ``offsets`` (and weights) they came from, unchanged."""
+
+    offsets_in: torch.Tensor
+    offsets_version: int
+    mode: str
+    psw: torch.Tensor | None
+    offsets: torch.Tensor
+    bag: torch.Tensor
+    scale: torch.Tensor | None
+
+    def matches(self, offsets, mode, psw) -> bool:
+        return (self.offsets_in is offsets and self.offsets_version == offsets._version and self.mode == mode
+                and self.psw is psw)
 
 
 @dataclass
@@ -283,6 +302,13 @@ class Prefetches:
         for tier, _, _, slots in self.res.parts(p):  # the CPU slots: pins are control-plane state
             tier.pin(slots, delta)
 
+    def pinned_on_device(self, b: Batch) -> int:
+        """How many of batch ``b``'s rows are pinned on the device now."""
+        g = self.res.keys.find(b.t, b.k)
+        dev = self.res.tiers[0]
+        on = g[(g >= 0) & (g < dev.capacity)]
+        return int((dev.pins[on] > 0).sum()) if on.numel() else 0
+
     def prefetch(self, b: Batch | None, tables, ids, place: Place) -> Ticket:
         """The ticket of batch ``b`` (validated and deduplicated ``(tables, ids)``; None when
         empty): placed by ``place`` with accounting and pinned, if admitted."""
@@ -293,11 +319,16 @@ class Prefetches:
         dev, host = self.res.tiers
         pinned_dev = dev.pinned
         pinned = pinned_dev + host.pinned
-        # admission: the batch fits on the device beside the rows pinned there (one that
-        # does not is looked up normally, its LMDB records already read ahead), and
+        # admission: the batch fits on the device beside the rows pinned there (its rows
+        # already pinned there, by the batches before it, take no more room; one that
+        # does not fit is looked up normally, its LMDB records already read ahead), and
         # leaves room for one more like it beside every pinned row
         U = b.k.numel()
-        if pinned_dev + U > dev.capacity or pinned + 2 * U > dev.capacity + host.capacity:
+        if pinned_dev and pinned_dev + U > dev.capacity:
+            U_dev = U - self.pinned_on_device(b)
+        else:
+            U_dev = U
+        if pinned_dev + U_dev > dev.capacity or pinned + 2 * U > dev.capacity + host.capacity:
             self.counters.add_io(IO.PREFETCH_DEGRADED, 1)
             return Ticket(b.t, b.k, b.n, False, False, False, batch=b, src=_src(tables, ids))
         try:

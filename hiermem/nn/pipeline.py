@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -124,6 +125,46 @@ def choose_background(background: bool | str, device: torch.device, lookahead: b
     if isinstance(background, bool):
         return ("threads" if background else "inline"), "asked for"
     raise InvalidArgumentError(f"background must be True, False or 'auto', got {background!r}")
+
+
+#: The interpreter's switch interval while a pipeline's threads run (seconds; the default
+#: is 5 ms).  A thread waiting for the GIL asks its holder to drop it only after this
+#: long, so with the default the training thread, coming back from a GIL-free op (a CUDA
+#: sync, the dense part) while the prefetch thread runs Python, can wait up to 5 ms for
+#: its next line; with 0.2 ms it waits at most that.  Set back when the last pipeline closes.
+GIL_SLICE = 2e-4
+_slice_lock = threading.Lock()
+_slice_users = 0
+_slice_saved: tuple[float, float] | None = None  # (the interval before, the one set)
+
+
+def _slice_begin(seconds: float | None) -> bool:
+    """Shorten the switch interval to ``seconds`` (None: leave it); whether it counts a user."""
+    global _slice_users, _slice_saved
+    if seconds is None:
+        return False
+    with _slice_lock:
+        if _slice_users == 0:
+            before = sys.getswitchinterval()
+            if seconds < before:
+                sys.setswitchinterval(seconds)
+                _slice_saved = (before, sys.getswitchinterval())
+            else:
+                _slice_saved = None
+        _slice_users += 1
+    return True
+
+
+def _slice_end() -> None:
+    """One user fewer; the last one puts the interval back (unless someone changed it since)."""
+    global _slice_users, _slice_saved
+    with _slice_lock:
+        _slice_users -= 1
+        if _slice_users == 0 and _slice_saved is not None:
+            before, ours = _slice_saved
+            if sys.getswitchinterval() == ours:
+                sys.setswitchinterval(before)
+            _slice_saved = None
 
 
 class _Worker:
@@ -305,6 +346,10 @@ class PrefetchPipeline:
             store config's ``prefetch_depth`` (its policy file's, else 2).
         features: ``batch -> SparseFeatures`` when the default cannot find them.
         timeout: seconds a step waits for the prefetch thread before ``TimeoutError``.
+        gil_slice: while a pipeline with background threads is open, the interpreter's switch interval in seconds
+            (``sys.setswitchinterval``; default :data:`GIL_SLICE`, put back at
+            :meth:`close`; None leaves it): how long the training thread can wait for the
+            GIL while a background thread runs Python.
         background: run prefetch and read-ahead on background threads (True), inline on
             the training thread in the same order (False: same placements and counters,
             no overlap), or decide from the machine (``"auto"``: threads where they can
@@ -318,7 +363,7 @@ class PrefetchPipeline:
 
     def __init__(self, loader: Iterable, module, depth: int | None = None,
                  features: Callable[[Any], Any] | None = None, timeout: float | None = 600.0,
-                 background: bool | str = "auto"):
+                 background: bool | str = "auto", gil_slice: float | None = GIL_SLICE):
         if depth is None:  # the store's, from its policy file or the default
             cfg = getattr(module.store, "config", None)
             depth = getattr(cfg, "prefetch_depth", 2)
@@ -353,6 +398,8 @@ class PrefetchPipeline:
         self._in_mode = 0  # steps since the mode last changed
         self._t_last: float | None = None
         self._draining = False
+        self._gil_slice = gil_slice
+        self._sliced = _slice_begin(gil_slice) if self.background else False
         self._worker = _Worker(self.store.device, inline=not self.background)
         self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead", inline=not self.background)
         self._keep = depth + 2 + self._window  # read-ahead batches the disk tier keeps
@@ -614,6 +661,9 @@ class PrefetchPipeline:
         finally:
             self._worker.close()
             self._reader.close()
+            if self._sliced:
+                self._sliced = False
+                _slice_end()
 
     def __enter__(self) -> "PrefetchPipeline":
         return self

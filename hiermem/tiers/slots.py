@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..core.index import as_array
+from ..core.jit import kernel
 from ..core.layout import RECORD, slot_records
 from ..core.plan import BASE, CAP, NFREE, NPINNED
 from ..core.policies import PolicySpec
@@ -104,11 +105,8 @@ class SlotTier:
     def pin(self, slots, delta: int) -> None:
         """Add ``delta`` to the pin counts of ``slots`` (distinct, occupied)."""
         s = as_array(slots)
-        pins = self.state[3]
-        before = pins[s]
-        after = before + delta
-        pins[s] = after
-        self.meta[NPINNED] += int((after > 0).sum()) - int((before > 0).sum())
+        if s.size:
+            self.meta[NPINNED] += _pin_add(self.state[3], s, delta)
 
     def occupied(self) -> torch.Tensor:
         return (self.keys_t >= 0).nonzero().squeeze(1)
@@ -149,3 +147,16 @@ class SlotTier:
 
     def nbytes(self) -> int:
         return self.record_bytes() + self.capacity * (RECORD + 8)  # slot record, free stack
+
+
+@kernel
+def _pin_add(pins, slots, delta):
+    """Add ``delta`` to ``pins[slots]`` (distinct slots); the change in pinned slots."""
+    change = 0
+    for i in range(slots.size):
+        s = slots[i]
+        before = pins[s]
+        after = before + delta
+        pins[s] = after
+        change += (after > 0) - (before > 0)
+    return change

@@ -123,7 +123,11 @@ class StoreConfig:
             core free beside torch's intra-op threads; :mod:`hiermem.store.overlap`), off
             where it would only take a core from the step; the store's
             ``write_behind``/``write_behind_reason`` say what was chosen.
-        write_combine: eviction write-backs (without ``write_behind``) are held in memory
+            ``"combined"``: on, and the write-backs are first combined (``write_combine``
+            rows a batch, as without write-behind), so the writer thread commits one
+            transaction per ``write_combine`` rows instead of one per evicting batch.
+        write_combine: eviction write-backs (without ``write_behind``, or with it
+            ``"combined"``) are held in memory
             until this many rows are, then committed in one LMDB transaction, or with the
             next flush, checkpoint or ``close`` (:mod:`hiermem.tiers.combine`): an LMDB
             commit costs as much as a few hundred rows, so stores that evict a few
@@ -195,8 +199,8 @@ class StoreConfig:
         c = self.write_combine
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise InvalidArgumentError(f"write_combine must be an int >= 0 (rows), got {c!r}")
-        if not isinstance(self.write_behind, bool) and self.write_behind != "auto":
-            raise InvalidTypeError(f"write_behind must be a bool or 'auto', got {self.write_behind!r}")
+        if not isinstance(self.write_behind, bool) and self.write_behind not in ("auto", "combined"):
+            raise InvalidTypeError(f"write_behind must be a bool, 'auto' or 'combined', got {self.write_behind!r}")
         if self.writemap is not None and not isinstance(self.writemap, bool):
             raise InvalidTypeError("writemap must be a bool or None")
         if self.trace_path is not None and not isinstance(self.trace_path, (str, os.PathLike)):

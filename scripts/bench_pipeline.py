@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -69,8 +70,10 @@ from hiermem.observe.stats import Stat  # noqa: E402
 from hiermem.types import Tier  # noqa: E402
 
 BLOCK = 10  # timed steps per block, alternating hiermem and the baseline
+MIN_CYCLES = 2  # with combined write-backs, the window holds whole cycles: at least this many
+CYCLE_CAP = 12  # ... within this many times --steps
 WINDOW, TOLERANCE, MIN_WARMUP = 20, 0.005, 40
-DEPTH = 2  # prefetch depth (--depth)
+DEPTH = 1  # prefetch depth (--depth): a 2 x W device tier pins two batches (the one computing, the next)
 
 _libc = ctypes.CDLL(None)
 _clock_gettime = _libc.clock_gettime
@@ -182,6 +185,19 @@ def critical(coll, pipe) -> float:
     return coll.thread_seconds["forward"] + coll.thread_seconds["backward"]
 
 
+def to_cycle(step: Step, it, comb, cap: int) -> int:
+    """Untimed steps until combined write-backs are handed down (the combiner empties);
+    the steps taken."""
+    n = 0
+    while n < cap:
+        held = comb.n
+        step(it)
+        n += 1
+        if comb.n < held:
+            break
+    return n
+
+
 def settle(store, pipe) -> None:
     if pipe is not None:
         pipe.wait_idle()
@@ -212,12 +228,18 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
     t_start = time.perf_counter()
     path = ctx["tmp"] / name.replace("/", "_")
     store = open_store(ctx["ck"], path, wl, dev, host, wb, preload, a.device)
+    os.sync()  # the restored files' dirty pages go down now, not in the timed window
     coll = hm.CachedEmbeddingBagCollection(wl.tables, store=store)
     step = Step(coll, len(wl.tables), a.dim, ctx["wait"], device=a.device, real=a.real_dense)
-    pipe = hm.PrefetchPipeline(iter(batches), coll, depth=depth, background=True) if depth else None
+    pipe = (hm.PrefetchPipeline(iter(batches), coll, depth=depth, background=True,
+                                 gil_slice=a.gil_slice if a.gil_slice > 0 else None) if depth else None)
     it = pipe if pipe is not None else iter(batches)
     try:
         n, settled = warm(step, store, it, a.warmup_cap, fill_host=not preload)
+        comb = store.disk.combine if not preload else None
+        cycles = 0
+        if comb is not None:  # the window starts just after combined write-backs went down
+            n += to_cycle(step, it, comb, a.warmup_cap)
         settle(store, pipe)
         s0 = snapshot(store, pipe)
         start = n
@@ -227,20 +249,29 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
         inside0, base_inside0, i = step.inside, base.inside, start
         c = store.counters
         parts0 = (c.lookup_seconds.sum, c.update_seconds.sum, pipe.wait_seconds if pipe else 0.0)
+        bg0 = (pipe.prefetch_seconds, pipe.read_ahead_seconds) if pipe else (0.0, 0.0)
         crit0 = critical(coll, pipe)
-        while i - start < a.steps:
+        finished = False
+        while not finished:
             t0 = time.perf_counter()
-            for _ in range(BLOCK):
+            k = 0
+            while k < BLOCK and not finished:
+                held = comb.n if comb is not None else 0
                 step(it)
+                k += 1
+                went = comb is not None and comb.n < held
+                cycles += went
+                finished = i + k - start >= a.steps and (
+                    comb is None or i + k - start >= CYCLE_CAP * a.steps or (cycles >= MIN_CYCLES and went))
             tw = time.perf_counter()
             settle(store, pipe)
             t1 = time.perf_counter()
-            for b in batches[i:i + BLOCK]:
+            for b in batches[i:i + k]:
                 base(iter([b]))
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
-            hs, bs, ws, i = hs + t1 - t0, bs + t2 - t1, ws + t1 - tw, i + BLOCK
+            hs, bs, ws, i = hs + t1 - t0, bs + t2 - t1, ws + t1 - tw, i + k
         steps = i - start
         res = figures(s0, snapshot(store, pipe), steps, a.batch, wb, hs, ws)
         inside = step.inside - inside0
@@ -248,11 +279,14 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
         parts = [x - y for x, y in zip((c.lookup_seconds.sum, c.update_seconds.sum,
                                         pipe.wait_seconds if pipe else 0.0), parts0)]
         ps = pipe.stats() if pipe is not None else {}
+        bg = [1e3 * (x - y) / steps for x, y in zip((pipe.prefetch_seconds, pipe.read_ahead_seconds) if pipe
+                                                   else (0.0, 0.0), bg0)]
     finally:
         if pipe is not None:
             pipe.close()
         store.close()
         shutil.rmtree(path, ignore_errors=True)
+        os.sync()  # nor this configuration's in the next one's
     ms = res.pop("ms_per_step")
     out = {"over_baseline": round(bs / hs, 4),
            "critical_path_ms": round(1e3 * (crit + ws) / steps, 3),
@@ -263,11 +297,12 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
                                  "block_end_settle": round(1e3 * ws / steps, 3)},
            "baseline_embedding_ms": round(1e3 * (base.inside - base_inside0) / steps, 3),
            "step_ms": round(1e3 * hs / steps, 3), "baseline_step_ms": round(1e3 * bs / steps, 3),
-           "dense_ms": a.dense_ms, "bg_ms": ms["bg"], "lmdb_ms": round(ms["lmdb_read"] + ms["lmdb_write"], 3),
+           "dense_ms": a.dense_ms, "bg_ms": ms["bg"],
+           "bg_parts_ms": {"prefetch_and_release": round(bg[0], 3), "read_ahead": round(bg[1], 3)}, "lmdb_ms": round(ms["lmdb_read"] + ms["lmdb_write"], 3),
            "lmdb_read_ms": ms["lmdb_read"], "lmdb_write_ms": ms["lmdb_write"], "settle_ms": ms["wait"],
            "hit_rates": res["hit_rates"], "rows_per_step": res["rows_per_step"],
            "device_rows": dev, "host_rows": host, "depth": depth, "write_behind": wb,
-           "warmup_steps": n, "settled": settled, "timed_steps": steps,
+           "warmup_steps": n, "settled": settled, "timed_steps": steps, "combine_cycles": cycles,
            "prefetch_mode": pipe.mode if pipe is not None else None,
            "prefetch": {k: ps[k] for k in ("prefetched_batches", "prefetch_degraded", "late_batches",
                                            "mean_effective_depth") if k in ps}}
@@ -279,7 +314,7 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
 
 
 def run_workload(a, wl, wait: Wait, kinds: list[str]) -> dict:
-    n_batches = a.warmup_cap + a.steps + BLOCK + a.depth + 16
+    n_batches = 2 * a.warmup_cap + CYCLE_CAP * a.steps + BLOCK + a.depth + 16
     batches = make_batches(wl, n_batches, a.batch)
     W = working_set(wl, batches)
     total = sum(t.num_rows for t in wl.tables)
@@ -321,15 +356,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 100, quick 40)")
     ap.add_argument("--warmup-cap", type=int, default=None, help="most warm-up steps (default 300, quick 120)")
     ap.add_argument("--depth", type=int, default=DEPTH, help="prefetch depth of the host and disk configurations")
+    ap.add_argument("--gil-slice", type=float, default=hm.nn.pipeline.GIL_SLICE,
+                    help="the pipeline's switch interval while its threads run (s; 0: the interpreter's)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--no-write-behind", dest="write_behind", action="store_false",
-                    help="disk-backed: commit write-backs in the step, not on the writer thread")
+    ap.add_argument("--write-behind", default="combined", choices=("combined", "on", "off"),
+                    help="disk-backed: write-backs combined and committed by the writer thread, each "
+                         "committed by it, or committed by the evicting thread")
     ap.add_argument("--configs", nargs="+", default=["device", "host", "disk", "criteo_disk"],
                     choices=("device", "host", "disk", "criteo_disk"), help="which configurations")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and device tier live")
     ap.add_argument("--real-dense", action="store_true", help="bench_train's DLRM dense part instead of the wait")
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON object here")
     a = ap.parse_args(argv)
+    a.write_behind = {"combined": "combined", "on": True, "off": False}[a.write_behind]
     a.rows = a.rows or (120_000 if a.quick else 500_000)
     a.criteo_rows = a.criteo_rows or (400_000 if a.quick else 4_000_000)
     a.batch = a.batch or (256 if a.quick else 512)

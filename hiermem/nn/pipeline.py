@@ -53,6 +53,7 @@ from ..store.multi import Ticket
 from ..errors import HierMemError, InvalidArgumentError
 from .features import SparseFeatures
 from ..store.overlap import can_overlap
+from ..tiers.priority import lower_this_thread
 from ..observe.stats import IO
 
 
@@ -211,6 +212,7 @@ class _Worker:
         self._q.put(fn)
 
     def _run(self) -> None:
+        lower_this_thread()  # background work: the training thread first
         if self._single:
             torch.get_num_threads()  # this thread's lazy init first, or it would undo the next line
             torch.set_num_threads(1)

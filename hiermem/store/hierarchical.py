@@ -84,7 +84,8 @@ class HierarchicalStore:
             self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
                                   write_behind=self.write_behind, io_process=config.io_process,
                                   writemap=config.writemap, tables=len(tables), migrate=True,
-                                  combine=0 if config.sync_writebacks else config.write_combine)
+                                  combine=0 if config.sync_writebacks else config.write_combine,
+                                  combine_behind=config.write_behind == "combined")
             try:
                 meta = self._disk.read_meta()
                 meta_counters = (meta or {}).get("counters")

@@ -44,5 +44,7 @@ def resolve_write_behind(write_behind: bool | str, device: torch.device) -> tupl
     write-backs on a writer thread where it can overlap the step, synchronously where not."""
     if isinstance(write_behind, bool):
         return write_behind, "asked for"
+    if write_behind == "combined":
+        return True, "asked for: combined write-backs, committed by the writer thread"
     on, why = can_overlap(device)
     return on, f"auto: {why}"

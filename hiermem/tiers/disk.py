@@ -97,9 +97,10 @@ class DiskTier:
         sync: fsync on every commit; when False only :meth:`sync` (called by flush)
             forces data to disk.
         write_behind: commit :meth:`enqueue`'d write-backs on a writer thread.
-        combine: hold :meth:`enqueue_rows`' write-backs (without ``write_behind``) until
-            this many records are held, then commit them in one transaction
-            (:mod:`.combine`); 0: commit each write-back.
+        combine: hold :meth:`enqueue_rows`' write-backs (without ``write_behind``, or with
+            ``combine_behind``) until this many records are held, then commit them in one
+            transaction (:mod:`.combine`; with ``write_behind`` the writer thread commits
+            them, as one queued batch); 0: commit each write-back.
         io_process: the writer thread and read-ahead threads hand their LMDB work to a
             child process each (:class:`~hiermem.tiers.lmdb_process.LmdbProcess`);
             falls back to doing it in-thread when unsupported or when a child fails.
@@ -124,7 +125,8 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike, create: bool, map_size: int = 1 << 28, sync: bool = True,
                  write_behind: bool = False, io_process: bool = False, writemap: bool | None = False,
-                 readonly: bool = False, tables: int = 0, migrate: bool = False, combine: int = 0):
+                 readonly: bool = False, tables: int = 0, migrate: bool = False, combine: int = 0,
+                 combine_behind: bool = False):
         self.path = Path(path)
         self._max_dbs = max(32, int(tables) + 4)
         self.readonly = bool(readonly)
@@ -192,7 +194,8 @@ class DiskTier:
                                 self._committed)
         self.procs = IOProcesses(self.path, io_process, sync, self._max_dbs)
         #: eviction write-backs held for one later commit (None: each is committed)
-        self.combine = WriteCombiner(combine) if combine > 0 and not self.write_behind and not readonly else None
+        self.combine = (WriteCombiner(combine) if combine > 0 and not readonly
+                        and (combine_behind or not self.write_behind) else None)
         if self.version == 1 and migrate:
             try:
                 self._migrate_v1()
@@ -587,6 +590,11 @@ class DiskTier:
         c = self.combine
         if c is None or not c.room(len(k)):
             if c is not None and c.n:  # what is held first, with this write-back in its transaction
+                if self.write_behind:  # one queued batch for the writer thread: held rows, then these
+                    held = c.groups()
+                    n = self.enqueue(held + table_groups(t, k, rec, widths), meta=None if meta is None else meta())
+                    c.clear()
+                    return n - sum(r.nbytes for _, _, r in held)
                 return self.write(table_groups(t, k, rec, widths), meta=None if meta is None else meta())
             return self.enqueue(table_groups(t, k, rec, widths), meta=None if meta is None else meta())
         c.put(t, k, rec, widths)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from .priority import lower_process
 
 SERVER = Path(__file__).with_name("_lmdb_server.py")
 _HDR = struct.Struct("<cQ")
@@ -64,6 +65,7 @@ class LmdbProcess:
             [sys.executable, str(SERVER), str(path), str(int(map_size)), "w" if write else "r",
              "1" if sync else "0", str(os.getpid()), "1" if write and writemap else "0", str(int(max_dbs))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
+        lower_process(self.proc.pid)  # background I/O: the training thread first
         try:
             self._call(None, b"", timeout=START_TIMEOUT)
         except BaseException:

@@ -53,7 +53,7 @@ class ReadAhead:
     def __init__(self, read: Callable[[list], list]):
         self._read = read
         self._cv = threading.Condition()
-        self._batches: list[list[_Ahead]] = []  # per read-ahead batch, its tables' chunks
+        self._batches: list[dict[int, _Ahead]] = []  # per read-ahead batch, its tables' chunks by table
         self._open: int | None = None  # token of the read-ahead in flight
         self._seq = 0
         self._active = 0
@@ -72,17 +72,17 @@ class ReadAhead:
         ids = ids.astype(np.uint64, copy=False)
         with self._cv:
             for batch in reversed(self._batches):
-                for c in batch:
-                    if c.table != table or not len(c.ids):
-                        continue
-                    j = np.minimum(np.searchsorted(c.ids, ids), len(c.ids) - 1)
-                    hit = ~got & (c.ids[j] == ids) & c.live[j]
-                    if hit.any():
-                        jh = j[hit]
-                        found[hit] = c.found[jh]
-                        out[hit] = c.rec[jh]
-                        c.live[jh] = False  # the row is resident now: its next read is after a write
-                        got |= hit
+                c = batch.get(table)
+                if c is None or not len(c.ids):
+                    continue
+                j = np.minimum(np.searchsorted(c.ids, ids), len(c.ids) - 1)
+                hit = ~got & (c.ids[j] == ids) & c.live[j]
+                if hit.any():
+                    jh = j[hit]
+                    found[hit] = c.found[jh]
+                    out[hit] = c.rec[jh]
+                    c.live[jh] = False  # the row is resident now: its next read is after a write
+                    got |= hit
             self.hits += int(got.sum())
         return got
 
@@ -103,23 +103,23 @@ class ReadAhead:
         try:
             groups = [(table, np.sort(np.asarray(ids).astype(np.uint64)), width) for table, ids, width in groups]
             try:
-                chunks = [_Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool))
-                          for (table, ids, _), (found, rec) in zip(groups, self._read(groups))]
+                chunks = {table: _Ahead(table, ids, found, rec, np.ones(len(ids), dtype=bool))
+                          for (table, ids, _), (found, rec) in zip(groups, self._read(groups))}
             except (lmdb.Error, StoreFormatError):
-                chunks = []
+                chunks = {}
             with self._cv:
                 if self._open != token:  # cleared, or another read-ahead opened since
                     return 0
                 for table, written in self._wlog:  # written while this one read: stale
-                    for c in chunks:
-                        if c.table == table:
-                            c.drop(written)
+                    c = chunks.get(table)
+                    if c is not None:
+                        c.drop(written)
                 self._open = None
                 self._wlog = []
                 if chunks:
                     self._batches.append(chunks)
                     del self._batches[:-(keep or AHEAD_BATCHES)]
-                kept = sum(int(c.live.sum()) for c in chunks)
+                kept = sum(int(c.live.sum()) for c in chunks.values())
                 self.rows += kept
                 return kept
         finally:
@@ -133,9 +133,9 @@ class ReadAhead:
             for table, ids in groups:
                 ids = np.asarray(ids).astype(np.uint64)
                 for batch in self._batches:
-                    for c in batch:
-                        if c.table == table:
-                            c.drop(ids)
+                    c = batch.get(table)
+                    if c is not None:
+                        c.drop(ids)
                 if self._open is not None:
                     self._wlog.append((table, ids))
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from .priority import lower_this_thread
 
 WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
 
@@ -75,6 +76,7 @@ class WriteQueue:
                 return
 
     def _write_loop(self) -> None:
+        lower_this_thread()  # background I/O: the training thread first
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stop or (self._q and not self._failed))

@@ -8,7 +8,14 @@
 #   2. scripts/bench_store.py --quick (the CPU data plane against FBGEMM's CPU TBE),
 #   3. scripts/bench_train.py --quick --device cuda (DLRM on the GPU through hiermem
 #      against nn.EmbeddingBag on the GPU),
-#   4. scripts/nccl_check.py (world size 1 over NCCL: every sharding type against the
+#   4. scripts/bench_pipeline.py --quick --device cuda --real-dense (the pipelined step:
+#      all-device, host-backed, disk-backed, against nn.EmbeddingBag on the GPU; targets
+#      host >= 0.9x, device >= 1.0x),
+#   5. scripts/bench_fbgemm_cache.py --quick (the host-backed pipelined step against
+#      FBGEMM's CUDA TBE at EmbeddingLocation.MANAGED_CACHING, same cache size and
+#      batches, exact against it; target >= 1.0x; needs the CUDA fbgemm-gpu wheel that
+#      pairs with this torch, e.g. pip install fbgemm-gpu==<torch's pairing>),
+#   6. scripts/nccl_check.py (world size 1 over NCCL: every sharding type against the
 #      unsharded store),
 # then prints the figures.  On a machine without CUDA it says so and exits 0 (2 when the
 # interpreter cannot import torch at all).
@@ -49,12 +56,14 @@ run() {  # name, limit (s), command...
 }
 
 # compiling the kernels once (cached on disk) is charged to no part in particular
-# (limits add up to 450 s: the whole check stays under 8 minutes)
-run compile 90 "$PY" -c 'import hiermem, hiermem.dataplane.kernels'
-run cuda_tests 140 "$PY" -m pytest -q -s -rfE -m gpu -p no:cacheprovider tests
-run bench_store 70 "$PY" scripts/bench_store.py --quick
-run bench_train 120 "$PY" scripts/bench_train.py --quick --device cuda --png "$out/bench_train.png"
-run nccl_check 30 "$PY" scripts/nccl_check.py
+# (limits add up to 460 s: the whole check stays under 8 minutes)
+run compile 60 "$PY" -c 'import hiermem, hiermem.dataplane.kernels'
+run cuda_tests 120 "$PY" -m pytest -q -s -rfE -m gpu -p no:cacheprovider tests
+run bench_store 50 "$PY" scripts/bench_store.py --quick
+run bench_train 80 "$PY" scripts/bench_train.py --quick --device cuda --png "$out/bench_train.png"
+run bench_pipeline 70 "$PY" scripts/bench_pipeline.py --quick --device cuda --real-dense
+run bench_fbgemm_cache 60 "$PY" scripts/bench_fbgemm_cache.py --quick
+run nccl_check 20 "$PY" scripts/nccl_check.py
 
 "$PY" - "$out" <<'EOF'
 import json, pathlib, sys
@@ -84,6 +93,19 @@ if t:
         print(f"  bench_train --device cuda {k}: {t.get(k)}")
 else:
     print("  bench_train: no result (see its log)")
+p, c = last_json("bench_pipeline"), last_json("bench_fbgemm_cache")
+if p:
+    for k in ("device_over_baseline", "host_over_baseline", "disk_prefetch_over_baseline",
+              "criteo_disk_prefetch_over_baseline", "critical_path_share_host"):
+        print(f"  bench_pipeline --device cuda {k}: {p.get(k)}")
+else:
+    print("  bench_pipeline: no result (see its log)")
+if c:
+    for k in ("hiermem_over_fbgemm_managed_caching", "exact", "max_abs_diff_pooled", "max_abs_diff_rows", "skipped"):
+        if k in c:
+            print(f"  bench_fbgemm_cache {k}: {c.get(k)}")
+else:
+    print("  bench_fbgemm_cache: no result (see its log)")
 EOF
 echo "gpu_check: logs in $out; $((SECONDS - start)) s; exit $status"
 exit $status

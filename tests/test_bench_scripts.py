@@ -142,3 +142,37 @@ def test_bench_lmdb_native_runs_the_same_steps_in_c_and_py_lmdb(tmp_path):
     c = nat.native(exe, env, 3, 64, tmp_path / "ids", tmp_path / "times")
     py = nat.py_lmdb(env, 3, 64, steps)
     assert c.shape == py.shape == (4, 2) and (c > 0).all() and (py > 0).all()
+
+
+@pytest.mark.slow
+def test_bench_pipeline_runs_small_and_reports_every_figure(tmp_path):
+    """A tiny bench_pipeline run: one JSON line with the issue's figures (timings are not
+    checked here: benchmarks are run by hand)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--quick", "--rows", "20000",
+                        "--criteo-rows", "60000", "--batch", "64", "--steps", "10", "--warmup-cap", "40",
+                        "--dense-ms", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d == json.loads(out.read_text())
+    for k in ("host_over_baseline", "disk_prefetch_over_baseline", "criteo_disk_prefetch_over_baseline",
+              "device_over_baseline", "critical_path_share_host"):
+        assert isinstance(d[k], float) and d[k] > 0, k
+    host = d["configs"]["zipf1.05/host"]
+    assert host["prefetch_mode"] == "threads" and host["rows_per_step"]["host_to_device"] > 0
+    assert d["configs"]["criteo/disk"]["combine_cycles"] >= 0 and 0 < d["gil_free_during_wait"]
+
+
+def test_bench_fbgemm_cache_skips_cleanly_without_cuda():
+    import json
+    import subprocess
+
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: gpu_check.sh runs it for real")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fbgemm_cache.py"), "--quick"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1]) == {"skipped": "needs CUDA"}

@@ -20,6 +20,14 @@ prefetch (or lookup) then places them from the disk tier's cache.  A read-ahead 
 nothing but speed (a record written since is dropped), so that thread needs no place in
 the fixed order above.
 
+On the threads, the training thread's share of a step is small (see
+``critical_path_seconds``): the lookup tensors are formed on the read-ahead thread, the
+lookup pools from the slots its prefetch pinned, with its bags validated there, and a
+release runs inline when the prefetch thread is idle.  While a threaded pipeline is open
+the switch interval is ``gil_slice`` (0.2 ms), and the threads run at a lower priority
+(:mod:`hiermem.tiers.priority`), so the background work waits for the step, not the
+reverse.
+
 Where nothing can overlap the background work (no GPU, no core free beside torch's
 intra-op threads), ``background="auto"`` runs the pipeline in ``"foreground"`` mode: no
 prefetch and no read-ahead, each lookup places its own rows (see

@@ -13,8 +13,8 @@ the whole trace (:func:`hiermem.core.replay.replay`): no Python per batch or acc
 
 Prefetch depth ``k`` follows ``HierarchicalStore.prefetch`` and the pipeline's order
 (``P(0..k-1)``, then per step ``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)``): ``P(j)`` admits a
-batch only if its rows fit on the device beside the rows pinned there and twice beside
-all pinned rows, then places it with
+batch only if its rows (those not pinned on the device already) fit on the device beside
+the rows pinned there and twice beside all pinned rows, then places it with
 full accounting and pins its rows where they land (refused or a ``CapacityError``: pins
 nothing, *degraded*, and ``L(j)`` is then a plain accounted lookup); ``L(i)`` of a pinned
 batch uses its rows where they are pinned (device or host), moving nothing; a lookup that cannot fit beside the pins
@@ -419,11 +419,15 @@ class Simulator:
             return _Ticket(batch, True, True)
         io[IO.PREFETCH_REQUESTS] += 1
         pinned_dev = self._dev.pinned
-        if pinned_dev + U > self._dev.capacity or \
+        g0 = self._find(k)
+        U_dev = U  # its rows already pinned on the device take no more room there
+        if pinned_dev and pinned_dev + U > self._dev.capacity:
+            on = g0[(g0 >= 0) & (g0 < self._dev.capacity)]
+            U_dev = U - (int((self._dev.pins[on] > 0).sum()) if on.numel() else 0)
+        if pinned_dev + U_dev > self._dev.capacity or \
                 self._pinned_rows + 2 * U > self._dev.capacity + self._host.capacity:  # admission
             io[IO.PREFETCH_DEGRADED] += 1
             return _Ticket(batch, False, False)
-        g0 = self._find(k)
         was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
         try:
             _, on_dev = self._lookup(j, batch)

@@ -22,13 +22,15 @@ from .index import find1
 from .jit import kernel, leaf, prefetch
 from .policy import touch
 from .victims import _sort_pairs
-from .plan import CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_, decide_
+from .names import (BASE, C_DEVICE, CAP, CAPACITY, DIRECT, DISK, FOUND, HITS, IX_KIND, LOOKUPS, NB, N_DISK, N_DN,
+                    N_UP, N_WB, ONDEV, SLOT, STATUS, WB)
+from .names import (IO_BYTES_DEVICE_TO_HOST as _D2H, IO_BYTES_DISK_TO_HOST as _DISK2H,
+                    IO_BYTES_HOST_TO_DEVICE as _H2D, IO_BYTES_HOST_TO_DISK as _H2DISK, IO_UPDATED_ROWS as _UPDATED,
+                    IO_UPDATES as _UPDATES)
+from .plan import commit_, decide_
 
 _STAGE = 8  # a per-access replay prefetches ids 32 on (table), 16 on (index entry), 8 on (record)
 _AHEAD = 32  # ids ahead whose tag the dedup prefetches (19 -> 11 ns an id, 10M Zipf ids over 1M rows)
-
-# hiermem.observe.stats.IO positions used here
-_H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
 
 
 @leaf
@@ -45,11 +47,11 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
     hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
     hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
     bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
-    D = dtm[2]
+    D = dtm[CAP]
     account = True
     nb = offsets.size - 1
     start = i
-    direct = meta[0] == 0  # a direct index: an id's entry is known without probing
+    direct = meta[IX_KIND] == DIRECT  # a direct index: an id's entry is known without probing
     while i < nb:
         a, b = offsets[i], offsets[i + 1]
         n = b - a
@@ -73,8 +75,8 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
             k = r - row_base[t]
             s = find1(meta, offsets_, slot_of, tab, t, k)
             if s >= 0 and s < D:  # a device hit: decide_ + commit_ reduce to this
-                counters[t, 0, 0] += 1
-                counters[t, 0, 1] += 1
+                counters[t, C_DEVICE, LOOKUPS] += 1
+                counters[t, C_DEVICE, HITS] += 1
                 touch(dkey, dscore, duses, dparams, drm, dhk, dhs, s, c0, 1, False)
                 if updates:
                     ddirty[s] = True
@@ -105,7 +107,7 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
         for j in range(res[N_WB]):
             s = wb[j]
             if s >= D:
-                s -= htm[3]
+                s -= htm[BASE]
                 written[row_base[hkt[s]] + hkk[s]] = 1
             else:
                 written[row_base[dkt[s]] + dkk[s]] = 1

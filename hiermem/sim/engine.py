@@ -47,6 +47,7 @@ from ..core.policies import PolicySpec, resolve_policy
 from ..core import plan as _plan
 from ..core.index import KeyIndex
 from ..core.jit import announce_compile
+from ..core.names import T_KK, T_KT
 from ..core.replay import PIPELINE_IDS, rank_dense, replay, replay_pipelined
 from ..observe.stats import IO, STAT_TIERS, Counters, Stat
 from ..tiers.slots import SlotTier, by_tier
@@ -322,7 +323,7 @@ class Simulator:
         if nw:
             g = ws[_plan.WB, :nw]
             for tier, s in by_tier(g, dev, host):
-                kt, kk = tier.state[0][s], tier.state[1][s]
+                kt, kk = tier.state[T_KT][s], tier.state[T_KK][s]
                 self._written[self.b.row_base[kt] + kk] = 1
             io[IO.BYTES_HOST_TO_DISK] += nw * row
         _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock.numpy(),

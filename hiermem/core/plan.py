@@ -414,6 +414,16 @@ def _account(bt, counts, g, mi, m, D, ws, res, counters):
         counters[t, _DISK, _MISSES] += reads - hits
 
 
+@tiny
+def hit1(counters, t, key, score, uses, params, rm, hk, hs, s, clock, count):
+    """An accounted batch of one row of table ``t``, used ``count`` times (the last at
+    ``clock``), found in device slot ``s``: what :func:`commit_` does for it (the compiled
+    replay's device hit, which skips :func:`decide_` too)."""
+    counters[t, _DEV, _LOOKUPS] += count
+    counters[t, _DEV, _HITS] += count
+    touch(key, score, uses, params, rm, hk, hs, s, clock, count, False)
+
+
 @inline
 def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
     """:func:`commit`, inlined into its callers (the kernel and the compiled replay)."""
@@ -426,6 +436,13 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
     D = dtm[CAP]
     Hb = htm[BASE]
     g, mi, slot, ondev, moved = ws[G], ws[MI], ws[SLOT], ws[ONDEV], ws[MOVED]
+    if U == 1 and res[M] == 0:  # a per-access trace's device hit: no call
+        slot[0] = g[0]
+        ondev[0] = 1
+        moved[0] = 0
+        if account:
+            hit1(counters, bt[0], dkey, dscore, duses, dparams, drm, dhk, dhs, g[0], clock[0], counts[0])
+        return
     wsf = ws[SV_SCORE].view(np.float64)  # saved scores (float64 bits)
     pos, sl = ws[SV_T], ws[SV_K]  # scratch until rows are saved: positions, slots
     m = res[M]

@@ -23,12 +23,11 @@ import torch
 from numba.core import types
 
 from .jit import DISABLED, is_warm, kernel, prefetch, tiny
+from .names import DIRECT, HASH, IX_KIND as _KIND, IX_MASK as _MASK, IX_SIZE as _SIZE, IX_TOMB as _TOMB  # noqa: F401
 
 _AHEAD = 16  # keys ahead whose entry a batch lookup prefetches
 EMPTY = -1
 TOMBSTONE = -2
-DIRECT, HASH = 0, 1
-_KIND, _SIZE, _TOMB, _MASK = 0, 1, 2, 3
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -28,25 +28,19 @@ from __future__ import annotations
 import numpy as np
 
 from .index import find, find1, insert1, remove1
+from .names import (  # noqa: F401  (the workspace rows, res entries and tmeta fields: re-exported)
+    BASE, CAP, CAPACITY, DEV_EV, DIRECT, DISK, DN_DST, DN_SRC, ENTRY, FOUND, G, HOST_EV, IX_KIND, LFU_DECAY, M, MI,
+    MOVED, N_DISK, N_DN, N_MOVE, N_SKIP, N_UP, N_VD, N_VH, N_WB, NA, NB, NC, NE, NEW_DST, NFREE, NPINNED, NRES,
+    NROWS, OK, ONDEV, PARAM_CODE, P_RM, RM_TAU, RM_VALID, SLOT, STATUS, SV_DIRTY, SV_K, SV_KEY, SV_PINS, SV_SCORE,
+    SV_T, SV_USES, UP_DST, UP_SRC, VD, VH, WB)
+from .names import C_DEVICE as _DEV, C_DISK as _DISK, C_HOST as _HOST  # counters [table, tier, stat]
+from .names import EVICTIONS as _EVICTIONS, HITS as _HITS, LOOKUPS as _LOOKUPS, MISSES as _MISSES
+from .names import WRITEBACKS as _WRITEBACKS
 from .jit import inline, kernel, leaf, prefetch, tiny
-from .policy import LFU_DECAY, touch
+from .policy import touch
 from .victims import drop, set_key, victims_
 
 AHEAD = 8  # rows ahead whose slot state the swap loops prefetch
-
-# workspace rows
-(G, SLOT, ONDEV, MI, VD, VH, DISK, FOUND, WB, UP_SRC, UP_DST, DN_SRC, DN_DST, NEW_DST, ENTRY, MOVED,
- SV_T, SV_K, SV_DIRTY, SV_PINS, SV_KEY, SV_SCORE, SV_USES) = range(23)
-NROWS = 23
-# res entries
-(STATUS, M, N_MOVE, NA, NB, NC, NE, N_VD, N_SKIP, N_VH, N_DISK, N_WB, N_UP, N_DN, DEV_EV, HOST_EV) = range(16)
-NRES = 16
-OK, CAPACITY = 0, 1
-# tier metadata
-NFREE, NPINNED, CAP, BASE = 0, 1, 2, 3
-# counters [table, tier, stat] (hiermem.observe.stats: DEVICE HOST DISK x LOOKUPS HITS MISSES EVICTIONS WRITEBACKS)
-_DEV, _HOST, _DISK = 0, 1, 2
-_LOOKUPS, _HITS, _MISSES, _EVICTIONS, _WRITEBACKS = 0, 1, 2, 3, 4
 
 
 def workspace(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -232,7 +226,7 @@ def _evict_many(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, slots, n, co
     the record ``2 * AHEAD`` rows on, the index entry (named by the record's ``rev``)
     ``AHEAD`` on."""
     base = tm[BASE]
-    direct = meta[0] == 0
+    direct = meta[IX_KIND] == DIRECT
     for j in range(n):
         if j + 2 * AHEAD < n:
             s2 = slots[j + 2 * AHEAD]
@@ -292,8 +286,8 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
     tm[NFREE] -= n  # the last n pushed, in push order
     fb = tm[NFREE]
     base = tm[BASE]
-    direct = meta[0] == 0
-    valid, tau = rm[0] != 0, rm[1]
+    direct = meta[IX_KIND] == DIRECT
+    valid, tau = rm[RM_VALID] != 0, rm[RM_TAU]
     pinned = np.int64(0)
     for j in range(n):
         if j + AHEAD < n:
@@ -325,7 +319,7 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
             touch(key, score, uses, params, rm, hk, hs, d, clock[i], counts[i], False)
         elif valid and k <= tau:
             set_key(key, rm, hk, hs, d, k)
-            valid = rm[0] != 0
+            valid = rm[RM_VALID] != 0
         else:
             key[d] = k
         e = ws[ENTRY, c]
@@ -358,7 +352,7 @@ def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, k
     tm[NFREE] -= n
     base = tm[NFREE]
     gb = tm[BASE]
-    direct = meta[0] == 0
+    direct = meta[IX_KIND] == DIRECT
     for j in range(n):
         if j + AHEAD < n:  # the row's index entry and its new slot's record and reverse entry
             i2 = pos[j + AHEAD]
@@ -420,6 +414,16 @@ def _account(bt, counts, g, mi, m, D, ws, res, counters):
         counters[t, _DISK, _MISSES] += reads - hits
 
 
+@tiny
+def hit1(counters, t, key, score, uses, params, rm, hk, hs, s, clock, count):
+    """An accounted batch of one row of table ``t``, used ``count`` times (the last at
+    ``clock``), found in device slot ``s``: what :func:`commit_` does for it (the compiled
+    replay's device hit, which skips :func:`decide_` too)."""
+    counters[t, _DEV, _LOOKUPS] += count
+    counters[t, _DEV, _HITS] += count
+    touch(key, score, uses, params, rm, hk, hs, s, clock, count, False)
+
+
 @inline
 def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, counters):
     """:func:`commit`, inlined into its callers (the kernel and the compiled replay)."""
@@ -432,6 +436,13 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
     D = dtm[CAP]
     Hb = htm[BASE]
     g, mi, slot, ondev, moved = ws[G], ws[MI], ws[SLOT], ws[ONDEV], ws[MOVED]
+    if U == 1 and res[M] == 0:  # a per-access trace's device hit: no call
+        slot[0] = g[0]
+        ondev[0] = 1
+        moved[0] = 0
+        if account:
+            hit1(counters, bt[0], dkey, dscore, duses, dparams, drm, dhk, dhs, g[0], clock[0], counts[0])
+        return
     wsf = ws[SV_SCORE].view(np.float64)  # saved scores (float64 bits)
     pos, sl = ws[SV_T], ws[SV_K]  # scratch until rows are saved: positions, slots
     m = res[M]
@@ -481,7 +492,7 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
         counters[t, _DEV, _EVICTIONS] += 1
         if ddirty[s]:
             counters[t, _DEV, _WRITEBACKS] += 1
-    extra = np.int64(dparams[0]) == LFU_DECAY
+    extra = np.int64(dparams[PARAM_CODE]) == LFU_DECAY
     if na:
         _save_many(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, up_src, na, ws, wsf, np.int64(0))
     if nd:
@@ -555,5 +566,5 @@ def commit(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, c
 @kernel
 def abort(dpol, hpol):
     """A plan was decided but its I/O failed: forget the reservoirs (victims left them)."""
-    drop(dpol[4])
-    drop(hpol[4])
+    drop(dpol[P_RM])
+    drop(hpol[P_RM])

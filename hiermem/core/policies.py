@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import policy as _pk
+from . import names as _names
 from . import victims as _vk
 from .index import as_array
 from ..errors import InvalidArgumentError, InvalidTypeError, PolicyFileError
@@ -79,7 +80,7 @@ class EvictionPolicy:
 
     @property
     def reservoir_builds(self) -> int:
-        return int(self.state[4][5])
+        return int(self.state[_names.P_RM][_names.RM_BUILDS])
 
     @property
     def reservoir(self) -> bool:

@@ -28,9 +28,10 @@ import math
 import numpy as np
 
 from .jit import f64_bits, kernel, tiny
+from .names import LFU, LFU_DECAY, LOOKAHEAD, LRU  # noqa: F401  (the policy codes)
+from .names import P_KEY, P_PARAMS, P_RM, PARAM_ADMIT, PARAM_CODE, PARAM_HALF_LIFE
 from .victims import drop, set_key
 
-LRU, LFU, LFU_DECAY, LOOKAHEAD = 0, 1, 2, 3
 CLOCK_BITS = 40  # LFU keys pack (count, last clock) as count << 40 | clock
 _CLOCK_MASK = (1 << CLOCK_BITS) - 1
 _COUNT_MAX = (1 << 22) - 1
@@ -61,7 +62,7 @@ def _logaddexp2(a, b):
 def new_key(params, key, score, uses, s, clock, count, insert):
     """The key of slot ``s`` after an access (``insert``: the row just entered the
     tiers) of ``count`` uses, the last at ``clock``; updates ``score``/``uses``."""
-    kind = np.int64(params[0])
+    kind = np.int64(params[PARAM_CODE])
     if kind == LRU:
         return clock
     if kind == LFU:
@@ -70,14 +71,14 @@ def new_key(params, key, score, uses, s, clock, count, insert):
     if kind == LOOKAHEAD:
         return clock if insert else clock | (key[s] & SOON)
     # LFU_DECAY: log2 of the sum of count * 2**(clock / half_life) over uses
-    w = math.log2(np.float64(count)) + clock / params[1]
+    w = math.log2(np.float64(count)) + clock / params[PARAM_HALF_LIFE]
     if insert:
         score[s] = w
         uses[s] = count
     else:
         score[s] = _logaddexp2(score[s], w)
         uses[s] += count
-    v = score[s] - PROBATION if uses[s] < params[2] else score[s]
+    v = score[s] - PROBATION if uses[s] < params[PARAM_ADMIT] else score[s]
     return f2key(v)
 
 
@@ -111,14 +112,14 @@ def lookahead_keys(pol, slots):
     """The rows in ``slots`` are used by the next batches (this set replaces the last):
     their keys get the ``SOON`` bit, every other key loses it.  Rewrites every key, so the
     victim search starts over."""
-    key = pol[0]
-    if np.int64(pol[3][0]) != LOOKAHEAD:
+    key = pol[P_KEY]
+    if np.int64(pol[P_PARAMS][PARAM_CODE]) != LOOKAHEAD:
         return
     for s in range(key.size):
         key[s] &= SOON - 1
     for i in range(slots.size):
         key[slots[i]] |= SOON
-    drop(pol[4])
+    drop(pol[P_RM])
 
 
 def incremental(kind: int) -> bool:

@@ -20,15 +20,14 @@ import numpy as np
 
 from .index import find1
 from .jit import kernel, leaf, prefetch
-from .policy import touch
 from .victims import _sort_pairs
-from .plan import CAPACITY, DISK, FOUND, NB, N_DISK, N_DN, N_UP, N_WB, ONDEV, SLOT, STATUS, WB, commit_, decide_
+from .names import BASE, CAP, CAPACITY, DIRECT, IX_KIND, ONDEV, SLOT, STATUS
+from .names import IO_UPDATED_ROWS as _UPDATED, IO_UPDATES as _UPDATES
+from .plan import commit_, decide_, hit1
+from .written import fetch_, moved_, write_back_
 
 _STAGE = 8  # a per-access replay prefetches ids 32 on (table), 16 on (index entry), 8 on (record)
 _AHEAD = 32  # ids ahead whose tag the dedup prefetches (19 -> 11 ns an id, 10M Zipf ids over 1M rows)
-
-# hiermem.observe.stats.IO positions used here
-_H2D, _D2H, _DISK2H, _H2DISK, _UPDATES, _UPDATED = 0, 1, 2, 3, 6, 7
 
 
 @leaf
@@ -45,11 +44,11 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
     hkt, hkk, hdirty, hpins, hfree, htm, hmark = host
     hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss = hpol
     bt, bk, clock, counts = scratch[0], scratch[1], scratch[2], scratch[3]
-    D = dtm[2]
+    D = dtm[CAP]
     account = True
     nb = offsets.size - 1
     start = i
-    direct = meta[0] == 0  # a direct index: an id's entry is known without probing
+    direct = meta[IX_KIND] == DIRECT  # a direct index: an id's entry is known without probing
     while i < nb:
         a, b = offsets[i], offsets[i + 1]
         n = b - a
@@ -72,10 +71,8 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
             t = table_of_row[r]
             k = r - row_base[t]
             s = find1(meta, offsets_, slot_of, tab, t, k)
-            if s >= 0 and s < D:  # a device hit: decide_ + commit_ reduce to this
-                counters[t, 0, 0] += 1
-                counters[t, 0, 1] += 1
-                touch(dkey, dscore, duses, dparams, drm, dhk, dhs, s, c0, 1, False)
+            if s >= 0 and s < D:  # a device hit: decide_ finds no miss, and commit_ does this
+                hit1(counters, t, dkey, dscore, duses, dparams, drm, dhk, dhs, s, c0, 1)
                 if updates:
                     ddirty[s] = True
                     io[_UPDATES] += 1
@@ -95,24 +92,10 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
         decide_(ix, dev, dpol, host, hpol, t_, k_, ws, res)
         if res[STATUS] == CAPACITY:
             return -1 - i, c0
-        disk, found = ws[DISK], ws[FOUND]
-        for j in range(res[N_DISK]):
-            p = disk[j]
-            w = written[row_base[t_[p]] + k_[p]]
-            found[j] = w
-            io[_DISK2H] += w * row_bytes
-        wb = ws[WB]
-        for j in range(res[N_WB]):
-            s = wb[j]
-            if s >= D:
-                s -= htm[3]
-                written[row_base[hkt[s]] + hkk[s]] = 1
-            else:
-                written[row_base[dkt[s]] + dkk[s]] = 1
-        io[_H2DISK] += res[N_WB] * row_bytes
+        fetch_(ws, res, t_, k_, row_base, written, io, row_bytes)  # the written-rows bitmap: LMDB
+        write_back_(ws, res, dkt, dkk, hkt, hkk, D, htm[BASE], row_base, written, io, row_bytes)
         commit_(ix, dev, dpol, host, hpol, t_, k_, cl_, cn_, account, ws, res, counters)
-        io[_D2H] += res[N_DN] * row_bytes
-        io[_H2D] += (res[N_UP] + res[NB]) * row_bytes
+        moved_(res, io, row_bytes)
         if updates:
             slot, ondev = ws[SLOT], ws[ONDEV]
             for j in range(u):

@@ -30,8 +30,10 @@ from numba.core import types
 
 from .jit import DISABLED, helper, inline, is_warm, kernel, leaf, prefetch, tiny
 
-_VALID, _TAU, _POS, _RLEN, _HLEN, _BUILDS, _SCANS, SCAN_ONLY = 0, 1, 2, 3, 4, 5, 6, 7
-_LRU, _LOOKAHEAD = 0, 3  # hiermem.core.policy's codes (which imports this module)
+from .names import (RM_BUILDS as _BUILDS, RM_HLEN as _HLEN, RM_POS as _POS, RM_RLEN as _RLEN,
+                    RM_SCAN_ONLY as SCAN_ONLY, RM_SCANS as _SCANS, RM_TAU as _TAU, RM_VALID as _VALID)
+from .names import (LOOKAHEAD as _LOOKAHEAD, LRU as _LRU, PARAM_CODE, P_HEAP_K, P_HEAP_S, P_KEY, P_RM, P_RUN_K,
+                    P_RUN_S, RM_SIZE)
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
 _AHEAD = 16  # run entries ahead whose slot record the walk prefetches
 INT64_MAX = np.iinfo(np.int64).max
@@ -39,7 +41,7 @@ INT64_MAX = np.iinfo(np.int64).max
 
 def new_state(capacity: int) -> np.ndarray:
     """``rmeta`` of an empty victim search (no reservoir yet)."""
-    return np.zeros(8, dtype=np.int64)
+    return np.zeros(RM_SIZE, dtype=np.int64)
 
 
 def heap_capacity(capacity: int) -> int:
@@ -444,9 +446,9 @@ def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, 
         return scan_(key, rm, keys_t, pins, mark, n, out)
     held = occupancy - evictable
     r = max(8 * n, occupancy // FRACTION, 4096) + held
-    if n == 1 and np.int64(params[0]) == _LRU:  # one victim a call (a per-access trace)
+    if n == 1 and np.int64(params[PARAM_CODE]) == _LRU:  # one victim a call (a per-access trace)
         r = occupancy  # keys only grow: the whole tier, sorted once, lasts until it is spent
-    if np.int64(params[0]) == _LOOKAHEAD or rm[SCAN_ONLY] or (r >= occupancy and 64 * n >= occupancy):
+    if np.int64(params[PARAM_CODE]) == _LOOKAHEAD or rm[SCAN_ONLY] or (r >= occupancy and 64 * n >= occupancy):
         # lookahead rewrites every key; a small tier losing a large share of its rows at
         # once: one pass costs what a whole-tier reservoir would, without its heap
         drop(rm)
@@ -471,23 +473,23 @@ def victims(pol, keys_t, pins, mark, n, evictable, occupancy, out):
 @kernel
 def scan(pol, keys_t, pins, mark, n, out):
     """:func:`scan_` over a policy state tuple."""
-    return scan_(pol[0], pol[4], keys_t, pins, mark, n, out)
+    return scan_(pol[P_KEY], pol[P_RM], keys_t, pins, mark, n, out)
 
 
 @kernel
 def check(pol, keys_t):
     """Whether the reservoir's invariant holds (a debugging aid; O(capacity))."""
-    key, rm = pol[0], pol[4]
+    key, rm = pol[P_KEY], pol[P_RM]
     if rm[_VALID] == 0:
         return True
     have = np.zeros(keys_t.size, dtype=np.uint8)
     for i in range(rm[_POS], rm[_RLEN]):
-        s = pol[5][i]
-        if pol[6][i] == key[s]:
+        s = pol[P_RUN_S][i]
+        if pol[P_RUN_K][i] == key[s]:
             have[s] = 1
     for i in range(rm[_HLEN]):
-        s = pol[8][i]
-        if pol[7][i] == key[s]:
+        s = pol[P_HEAP_S][i]
+        if pol[P_HEAP_K][i] == key[s]:
             have[s] = 1
     for s in range(keys_t.size):
         if keys_t[s] >= 0 and key[s] <= rm[_TAU] and have[s] == 0:

@@ -34,6 +34,7 @@ from functools import wraps
 
 import torch
 
+from ..core import names as _n
 from ..types import Tier
 
 SLOT_TIERS = (Tier.DEVICE, Tier.HOST)
@@ -41,31 +42,38 @@ STAT_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
 class Stat(enum.IntEnum):
-    LOOKUPS = 0
-    HITS = 1
-    MISSES = 2
-    EVICTIONS = 3
-    WRITEBACKS = 4
+    """Counter positions per table and tier (:mod:`hiermem.core.names`, where the kernels read them)."""
+
+    LOOKUPS = _n.LOOKUPS
+    HITS = _n.HITS
+    MISSES = _n.MISSES
+    EVICTIONS = _n.EVICTIONS
+    WRITEBACKS = _n.WRITEBACKS
 
 
 class IO(enum.IntEnum):
-    BYTES_HOST_TO_DEVICE = 0
-    BYTES_DEVICE_TO_HOST = 1
-    BYTES_DISK_TO_HOST = 2
-    BYTES_HOST_TO_DISK = 3
-    FLUSHES = 4
-    FLUSHED_ROWS = 5
-    UPDATES = 6
-    UPDATED_ROWS = 7
-    PREFETCHED_ROWS = 8  # distinct rows a prefetch moved up to the device tier ahead of need
-    PREFETCH_HITS = 9  # ids of prefetched batches found on the device tier at lookup
-    LATE_PREFETCHES = 10  # rows whose prefetch was still in flight when their batch needed them
-    PREFETCH_DEGRADED = 11  # prefetched batches not entirely on the device tier (pinned rows filled it)
-    PREFETCHED_BATCHES = 12  # batches prefetched and pinned
-    PREFETCH_REVOKED = 13  # prefetches unpinned early: a batch that was not prefetched needed the room
-    PREFETCH_REQUESTS = 14  # prefetch calls (batches asked for)
-    PREFETCH_PINNED_ROWS = 15  # distinct rows of prefetched batches, pinned
+    """Store-wide counter positions (:mod:`hiermem.core.names`, ``IO_*``)."""
 
+    BYTES_HOST_TO_DEVICE = _n.IO_BYTES_HOST_TO_DEVICE
+    BYTES_DEVICE_TO_HOST = _n.IO_BYTES_DEVICE_TO_HOST
+    BYTES_DISK_TO_HOST = _n.IO_BYTES_DISK_TO_HOST
+    BYTES_HOST_TO_DISK = _n.IO_BYTES_HOST_TO_DISK
+    FLUSHES = _n.IO_FLUSHES
+    FLUSHED_ROWS = _n.IO_FLUSHED_ROWS
+    UPDATES = _n.IO_UPDATES
+    UPDATED_ROWS = _n.IO_UPDATED_ROWS
+    PREFETCHED_ROWS = _n.IO_PREFETCHED_ROWS  # distinct rows a prefetch moved up to the device tier ahead of need
+    PREFETCH_HITS = _n.IO_PREFETCH_HITS  # ids of prefetched batches found on the device tier at lookup
+    LATE_PREFETCHES = _n.IO_LATE_PREFETCHES  # rows whose prefetch was still in flight when their batch needed them
+    PREFETCH_DEGRADED = _n.IO_PREFETCH_DEGRADED  # prefetched batches not entirely on the device tier
+    PREFETCHED_BATCHES = _n.IO_PREFETCHED_BATCHES  # batches prefetched and pinned
+    PREFETCH_REVOKED = _n.IO_PREFETCH_REVOKED  # prefetches unpinned early: an unprefetched batch needed the room
+    PREFETCH_REQUESTS = _n.IO_PREFETCH_REQUESTS  # prefetch calls (batches asked for)
+    PREFETCH_PINNED_ROWS = _n.IO_PREFETCH_PINNED_ROWS  # distinct rows of prefetched batches, pinned
+
+
+assert len(Stat) == _n.NSTATS and len(IO) == _n.NIO
+assert [int(t) for t in STAT_TIERS] == [_n.C_DEVICE, _n.C_HOST, _n.C_DISK] == list(range(_n.NSTAT_TIERS))
 
 #: Upper bounds (seconds) of the duration histograms' buckets; a last ``+Inf`` is implied.
 DURATION_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)

@@ -1,17 +1,20 @@
 """The trace simulator: the store's control plane with no data plane.
 
-It replays a trace through the *same* placement kernels the store uses
-(:func:`hiermem.core.plan.decide` / :func:`~hiermem.core.plan.commit`, over the same
+It replays a trace through the *same* placement routine the store uses
+(:func:`hiermem.store.placing.place`: :func:`hiermem.core.plan.decide`, the backing's
+I/O, :func:`~hiermem.core.plan.commit`, over the same
 :class:`~hiermem.tiers.SlotTier` state with zero-width records and policies built from
 the same :class:`~hiermem.core.policies.PolicySpec`, counting into the same
 :class:`~hiermem.observe.stats.Counters`), with two substitutions that need no data: the rows
 are numbered densely per table (a direct index over the trace's distinct rows), and
-LMDB is a bit per row ("has been written down").  Replaying a trace captured from a
+LMDB is a bit per row ("has been written down": the
+:class:`~hiermem.store.placing.WrittenRows` backing).  Replaying a trace captured from a
 store reproduces the store's counters by construction; ``tests/test_sim_exact.py`` keeps
 checking it against real stores.  A plain replay (no prefetch) is one compiled loop over
 the whole trace (:func:`hiermem.core.replay.replay`): no Python per batch or access.
 
-Prefetch depth ``k`` follows ``HierarchicalStore.prefetch`` and the pipeline's order
+Prefetch depth ``k`` runs the store's own prefetch code (:class:`~hiermem.store.multi.Prefetches`:
+admission, tickets, pins, revoke-and-retry, prefetch hits) in the pipeline's order
 (``P(0..k-1)``, then per step ``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)``): ``P(j)`` admits a
 batch only if its rows (those not pinned on the device already) fit on the device beside
 the rows pinned there and twice beside all pinned rows, then places it with
@@ -37,6 +40,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional, Union
 
 import numpy as np
@@ -47,13 +51,17 @@ from ..core.policies import PolicySpec, resolve_policy
 from ..core import plan as _plan
 from ..core.index import KeyIndex
 from ..core.jit import announce_compile
+from ..core.names import M
 from ..core.replay import PIPELINE_IDS, rank_dense, replay, replay_pipelined
 from ..observe.stats import IO, STAT_TIERS, Counters, Stat
-from ..tiers.slots import SlotTier, by_tier
+from ..tiers.slots import SlotTier
 from ..types import Tier
 from .cost import CostModel, StepTime
 from ..observe.trace import Trace, load_trace
 from ..store.hierarchical import HierarchicalStore
+from ..store.multi import Prefetches, Ticket
+from ..store.placed import Batch, Placement
+from ..store.placing import Workspace, WrittenRows, placed_at, placement
 from ..store.warm import ensure_compiled
 
 _CPU = torch.device("cpu")
@@ -244,14 +252,31 @@ class _Batches:
         return torch.unique(self.dense[self.offsets[i]:self.offsets[i + 1]])
 
 
-@dataclass
-class _Ticket:
-    """A prefetched batch (the store's ``Ticket``): its rows, pinned / accounted state."""
+class _Tiers:
+    """What the store's :class:`~hiermem.store.multi.Prefetches` reads of a residency
+    (its index, its two tiers, where placed rows are), over the simulator's tiers."""
 
-    batch: tuple
-    pinned: bool
-    accounted: bool
-    released: bool = False
+    device = _CPU
+
+    def __init__(self, keys: KeyIndex, dev: SlotTier, host: SlotTier):
+        self.keys, self.dev, self.host = keys, dev, host
+        self.tiers = (dev, host)
+
+    def parts(self, p: Placement) -> list:
+        """``(tier, slots, idx, cpu slots)`` per tier holding rows of ``p`` (all on the CPU)."""
+        if p.on_device is None:
+            return [(self.dev, p.slot, None, p.slot)]
+        out = []
+        for tier, mask in ((self.dev, p.on_device), (self.host, ~p.on_device)):
+            idx = mask.nonzero().squeeze(1)
+            if idx.numel():
+                cs = p.slot.index_select(0, idx)
+                out.append((tier, cs, idx, cs))
+        return out
+
+    def locate(self, b: Batch) -> Placement | None:
+        g = self.keys.find(b.t, b.k)
+        return None if bool((g < 0).any()) else placed_at(g, self.dev.capacity)
 
 
 class Simulator:
@@ -276,10 +301,14 @@ class Simulator:
         self._dev = SlotTier(Tier.DEVICE, D, 0, _CPU, self.spec, base=0)
         self._host = SlotTier(Tier.HOST, H, 0, _CPU, self.spec, base=D)
         self._written = np.zeros(self.b.num_rows, dtype=np.uint8)  # has an LMDB copy
-        self._ws = _plan.workspace(1024)
+        self._work = Workspace()
         self._epoch = 0
         self.counters = Counters(len(self.trace.tables))
         self._io = self.counters.io.numpy()
+        self._table = self.counters.table.numpy()
+        self._backing = WrittenRows(self._dev, self._host, self.b.row_base, self._written, self._io, config.row_bytes)
+        self._tiers = _Tiers(self._keys, self._dev, self._host)
+        self._prefetches = Prefetches(self._tiers, self.counters, None)  # the store's: admission, pins, revokes
         self._clock = 0
         self.degraded = 0
         self._window = int(getattr(self._dev.policy, "window", 0) or 0) or config.prefetch_depth
@@ -289,88 +318,47 @@ class Simulator:
         self._soon_in: set[int] = set()  # the batches counted in _soon
 
     # -- the store's rule -------------------------------------------------------------
-    def _tk(self, k: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Index keys ``(table, row within the table)`` of dense rows ``k``."""
-        k = k.numpy()
+    def _batch(self, i: int) -> Batch:
+        """Batch ``i`` as the store's :class:`Batch` (index keys ``(table, row within it)``)."""
+        rows, counts, lastpos, n = self.b.get(i)
+        k = rows.numpy()
         t = self.b.table_of_row.numpy()[k]
-        return t, k - self.b.row_base[t]
+        return Batch(torch.from_numpy(t), torch.from_numpy(k - self.b.row_base[t]), None, counts, lastpos, n)
 
-    def _resolve(self, k: torch.Tensor, counts: torch.Tensor, clock: torch.Tensor,
-                 account: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The store's placement kernels over dense rows ``k``, with "written to LMDB" a
-        bit per row: returns ``(slot, on_device)``.
-
-        An unaccounted resolve (a prefetched batch's lookup, an update after a tier change)
-        moves rows but never "uses" them: moved rows keep their carried policy state.
-        """
-        dev, host, row, io = self._dev, self._host, self.config.row_bytes, self._io
-        bt, bk = self._tk(k)
-        U = bk.size
-        if self._ws[0].shape[1] < 2 * U:
-            self._ws = _plan.workspace(U)
-        ws, res = self._ws
-        ix = self._keys.arrays
-        _plan.decide(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
-        if res[_plan.STATUS] == _plan.CAPACITY:
-            raise CapacityError(f"batch needs {U} rows resident at once; device ({dev.capacity}) "
-                                f"and host ({host.capacity}) tiers cannot hold them with their pinned rows")
-        nd, nw = int(res[_plan.N_DISK]), int(res[_plan.N_WB])
-        rows = k.numpy()[ws[_plan.DISK, :nd]]
-        found = self._written[rows]
-        ws[_plan.FOUND, :nd] = found
-        io[IO.BYTES_DISK_TO_HOST] += int(found.sum()) * row
-        if nw:
-            g = ws[_plan.WB, :nw]
-            for tier, s in by_tier(g, dev, host):
-                kt, kk = tier.state[0][s], tier.state[1][s]
-                self._written[self.b.row_base[kt] + kk] = 1
-            io[IO.BYTES_HOST_TO_DISK] += nw * row
-        _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock.numpy(),
-                     counts.numpy(), account, ws, res, self.counters.table.numpy())
-        if res[_plan.M]:
+    def _resolve(self, b: Batch, clock: torch.Tensor, account: bool) -> Placement:
+        """The store's placement (:func:`hiermem.store.placing.place`) with its other
+        backing: "written to LMDB" a bit per row.  An unaccounted resolve (a revoked
+        batch's lookup, an update after a tier change) moves rows but never "uses" them."""
+        ws, res = self._backing.place(self._keys.arrays, self._work, b, clock.numpy(), b.counts.numpy(), account,
+                                      self._table)
+        if res[M]:
             self._epoch += 1  # rows changed tier (the store's memo epoch)
-        io[IO.BYTES_DEVICE_TO_HOST] += int(res[_plan.N_DN]) * row
-        io[IO.BYTES_HOST_TO_DEVICE] += int(res[_plan.N_UP] + res[_plan.NB]) * row
-        return torch.from_numpy(ws[_plan.SLOT, :U].copy()), torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
+        return placement(ws, res, b.k.numel(), self._dev.capacity)
 
-    # -- operations ---------------------------------------------------------------------
-    def _lookup(self, i: int, batch: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """An accounted lookup of batch ``i`` (``HierarchicalStore._place(account=True)``)."""
-        k, counts, lastpos, n = batch if batch is not None else self.b.get(i)
+    def _place(self, i: int, b: Batch, account: bool, record: bool = True, extra=None) -> Placement:
+        """``HierarchicalStore._place`` of batch ``i``: accounted (the clock moves on once
+        it is placed: a refused batch leaves no trace), or not."""
+        if not account:
+            return self._resolve(b, torch.full_like(b.k, self._clock), False)
         if self._lookahead:
             self._mark_lookahead(i)
-        out = self._resolve(k, counts, lastpos + self._clock, account=True)
-        self._clock += n  # only once placed: a refused batch leaves no trace
-        return out
-
-    def _moved(self, k: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An unaccounted resolve (``_place(account=False)``)."""
-        return self._resolve(k, counts, torch.full_like(k, self._clock), account=False)
-
-    def _update(self, slot: torch.Tensor, on_dev: torch.Tensor) -> None:
-        if self.updates:
-            self._dev.dirty[slot[on_dev]] = True
-            self._host.dirty[slot[~on_dev]] = True
-            self._io[IO.UPDATES] += 1
-            self._io[IO.UPDATED_ROWS] += slot.numel()
-
-    def _find(self, k: torch.Tensor) -> torch.Tensor:
-        return self._keys.find(*self._tk(k))
-
-    def _where(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self._find(k)
-        assert bool((g >= 0).all()), "a pinned row is not resident"
-        on_dev = g < self._dev.capacity
-        return torch.where(on_dev, g, g - self._host.base), on_dev
-
-    def _pin(self, k: torch.Tensor, delta: int) -> None:
-        slot, on_dev = self._where(k)
-        self._dev.pin(slot[on_dev], delta)
-        self._host.pin(slot[~on_dev], delta)
+        p = self._resolve(b, b.lastpos + self._clock, True)
+        self._clock += b.n
+        return p
 
     @property
     def _pinned_rows(self) -> int:
         return self._dev.pinned + self._host.pinned
+
+    def _update(self, p: Placement) -> None:
+        if self.updates:
+            if p.on_device is None:
+                self._dev.dirty[p.slot] = True
+            else:
+                self._dev.dirty[p.slot[p.on_device]] = True
+                self._host.dirty[p.slot[~p.on_device]] = True
+            self._io[IO.UPDATES] += 1
+            self._io[IO.UPDATED_ROWS] += p.slot.numel()
 
     def _mark_lookahead(self, i: int) -> None:
         """Tell the policies which resident rows batches ``i+1 .. i+window`` use."""
@@ -410,89 +398,38 @@ class Simulator:
                                 f"and host ({host.capacity}) tiers hold")
         self._clock = out
 
-    def _prefetch(self, j: int) -> _Ticket:
-        """``HierarchicalStore.prefetch``: admission, an accounted placement, pins."""
-        batch = self.b.get(j)
-        k, _, _, n = batch
-        io, U = self._io, k.numel()
-        if n == 0:
-            return _Ticket(batch, True, True)
-        io[IO.PREFETCH_REQUESTS] += 1
-        pinned_dev = self._dev.pinned
-        g0 = self._find(k)
-        U_dev = U  # its rows already pinned on the device take no more room there
-        if pinned_dev and pinned_dev + U > self._dev.capacity:
-            on = g0[(g0 >= 0) & (g0 < self._dev.capacity)]
-            U_dev = U - (int((self._dev.pins[on] > 0).sum()) if on.numel() else 0)
-        if pinned_dev + U_dev > self._dev.capacity or \
-                self._pinned_rows + 2 * U > self._dev.capacity + self._host.capacity:  # admission
-            io[IO.PREFETCH_DEGRADED] += 1
-            return _Ticket(batch, False, False)
-        was_dev = (g0 >= 0) & (g0 < self._dev.capacity)
-        try:
-            _, on_dev = self._lookup(j, batch)
-        except CapacityError:  # nothing changed
-            io[IO.PREFETCH_DEGRADED] += 1
-            return _Ticket(batch, False, False)
-        self._pin(k, 1)
-        io[IO.PREFETCHED_ROWS] += int((on_dev & ~was_dev).sum())
-        io[IO.PREFETCHED_BATCHES] += 1
-        io[IO.PREFETCH_PINNED_ROWS] += U
-        if not bool(on_dev.all()):
-            io[IO.PREFETCH_DEGRADED] += 1
-        return _Ticket(batch, True, True)
-
-    def _revoke(self, live: dict) -> int:
-        """Unpin every outstanding prefetch (``revoke_prefetches``)."""
-        n = 0
-        for tk in live.values():
-            if tk.pinned and not tk.released:
-                self._pin(tk.batch[0], -1)
-                tk.pinned = False
-                n += 1
-        self._io[IO.PREFETCH_REVOKED] += n
-        return n
-
-    def _retry(self, fn, live: dict):
-        try:
-            return fn()
-        except CapacityError:  # later batches' pins hold the room this batch needs
-            if not self._revoke(live):
-                raise
-            return fn()
+    def _prefetch(self, j: int) -> Ticket:
+        """``HierarchicalStore.prefetch`` of batch ``j`` (the store's own admission,
+        accounted placement and pins: :meth:`~hiermem.store.multi.Prefetches.prefetch`)."""
+        b = self._batch(j)
+        return self._prefetches.prefetch(b if b.n else None, None, None, partial(self._place, j))
 
     def _run_prefetch(self, depth: int) -> None:
         """The pipeline's order: P(0..k-1); per step L(i), P(i+k), U(i), R(i) — or, when
         batch i is not pinned at its lookup, L(i), U(i), R(i), P(i+k) (its rows could be
-        moved by the next prefetch, so that prefetch waits for its update)."""
-        n = self.b.n
-        live: dict[int, _Ticket] = {}
+        moved by the next prefetch, so that prefetch waits for its update).  L, U and R
+        are the store's (``lookup_bags``'s placement, ``update_bags``'s, ``release``)."""
+        n, pf = self.b.n, self._prefetches
+        live: dict[int, Ticket] = {}
         for j in range(min(depth, n)):
             live[j] = self._prefetch(j)
         for i in range(n):
-            tk = live[i]
-            k, counts, _, nids = tk.batch
-            if nids:
-                if tk.pinned:  # L: its rows are resident, used where they are pinned
-                    slot, on_dev = self._where(k)
-                    self._io[IO.PREFETCH_HITS] += int(counts[on_dev].sum())
-                elif tk.accounted:  # revoked: placed again without accounting
-                    self._retry(lambda: self._moved(k, counts), live)
-                else:  # refused: a plain lookup
-                    self._retry(lambda: self._lookup(i, tk.batch), live)
+            tk = live.pop(i)
+            b, place = tk.batch, partial(self._place, i)
+            if tk.ids:  # L: pinned rows where they are; else placed (revoking the pins if need be)
+                p = pf.place_batch(b, tk, None, place)
                 epoch = self._epoch
             pinned = tk.pinned
             if pinned and i + depth < n:
                 live[i + depth] = self._prefetch(i + depth)
-            if nids:  # U: the lookup's placement unless rows moved since (then re-placed)
-                if tk.pinned or self._epoch == epoch:
-                    self._update(*self._where(k))
-                else:
-                    self._update(*self._retry(lambda: self._moved(k, counts), live))
-            if tk.pinned:  # R
-                self._pin(k, -1)
-            tk.released = True
-            del live[i]
+            if tk.ids:  # U: the lookup's placement unless rows moved since (then re-placed)
+                if tk.pinned:
+                    p = self._tiers.locate(b)
+                elif self._epoch != epoch:
+                    p = pf.retry(lambda: place(b, account=False))
+                self._update(p)
+            tk.released = True  # R
+            pf.release(tk)
             if not pinned and i + depth < n:
                 live[i + depth] = self._prefetch(i + depth)
 

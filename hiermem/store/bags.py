@@ -21,7 +21,7 @@ from .multi import BagMemo, MultiIds, Place, Prefetches, ReadyBags, Ticket, bags
 from .placed import Batch, Placement
 from ..dataplane import PlaneView
 from ..dataplane.batch import tables_present
-from ..errors import CapacityError, InvalidArgumentError
+from ..errors import InvalidArgumentError
 from ..observe.stats import Counters, IO
 
 
@@ -123,12 +123,7 @@ class BagOps:
         rg = staged.row_grads(b, p, grad, bag, scale)
         res.plane.check(rg, "gradients")
         if p is None:
-            try:
-                p = self.place(b, account=False)
-            except CapacityError:
-                if not self.prefetches.revoke():  # under the store's lock, as its revoke_prefetches
-                    raise
-                p = self.place(b, account=False)
+            p = self.prefetches.retry(lambda: self.place(b, account=False))  # under the store's lock
         if staged.active and p.dev is None:  # located, not placed: its slots to the device
             p.dev = staged.stage(b, p)
         present = tables_present(b.t.contiguous().numpy(), len(view.dims)).tolist()  # one compiled pass

@@ -177,8 +177,11 @@ def ticket_batch(ticket: Ticket | None, tables, ids):
     return ticket.batch
 
 
-def _src(tables, ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefetch's inputs as the store's int64 tensors (no copy on the CPU)."""
+def _src(tables, ids) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A prefetch's inputs as the store's int64 tensors (no copy on the CPU); None for a
+    caller that passes none (the simulator's batches come from its trace)."""
+    if tables is None:
+        return None
     return to_host(tables, "ids").to(torch.int64), to_host(ids, "ids").to(torch.int64)
 
 
@@ -379,17 +382,23 @@ class Prefetches:
         self.counters.add_io(IO.PREFETCH_REVOKED, len(live))
         return len(live)
 
+    def retry(self, fn: Callable[[], Placement]) -> Placement:
+        """``fn()`` (a placement); when it finds no room, every outstanding ticket is
+        revoked and it is tried once more (later batches' pins may hold the room it needs)."""
+        try:
+            return fn()
+        except CapacityError:
+            if not self.revoke():
+                raise
+            return fn()
+
     def place_batch(self, b: Batch, ticket: Ticket | None, extra: dict | None, place: Place) -> Placement:
         """Placement for a lookup: accounted, or, for a pinned ticket, its resident rows
         (where they are pinned, device or host: nothing moves, nothing is accounted)."""
         if ticket is None or not ticket.pinned:
             account = ticket is None or not ticket.accounted
-            try:  # a prefetched batch was recorded when it was prefetched
-                return place(b, account=account, record=ticket is None, extra=extra)
-            except CapacityError:  # later batches' pins hold the room this batch needs
-                if not self.revoke():
-                    raise
-                return place(b, account=account, record=ticket is None, extra=extra)
+            # a prefetched batch was recorded when it was prefetched
+            return self.retry(lambda: place(b, account=account, record=ticket is None, extra=extra))
         # pinned rows are resident (admission places a pinned batch on the device whole,
         # and pinned rows are never victims): locate them, nothing moves
         p = self.res.locate(b)

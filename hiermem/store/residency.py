@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .placed import Batch, Placement
+from .placing import Workspace, place, placed_at, placement
 from ..core import plan as _plan
 from ..core.index import make_index
 from ..dataplane import DataPlane
@@ -69,7 +70,7 @@ class Residency:
                              base=config.device_rows, pin_memory=torch.cuda.is_available())
         #: the slot tiers, device first (the order rows are placed in)
         self.tiers: tuple[SlotTier, SlotTier] = (self.dev, self.host)
-        self._ws = _plan.workspace(1024)
+        self._ws = Workspace()
         #: bumped whenever any row changes tier (a placement older than it may be stale)
         self.epoch = 0
         # the data plane's side of the CUDA step (no-ops on the CPU): control arrays staged
@@ -121,44 +122,15 @@ class Residency:
         copies the records it names.  ``extra``: the step's own control arrays (see
         :meth:`~hiermem.store.staged.StagedPath.extras`), staged to the device in the same copy as the plan's.
         """
-        bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
-        U = bk.size
-        if self._ws[0].shape[1] < 2 * U:
-            self._ws = _plan.workspace(U)
-        ws, res = self._ws
-        ix, dev, host = self.keys.arrays, self.dev, self.host
-        _plan.decide(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
-        if res[_plan.STATUS] == _plan.CAPACITY:
-            raise CapacityError(f"batch needs {U} rows resident at once; device ({dev.capacity}) and host "
-                                f"({host.capacity}) tiers cannot hold them with their pinned rows")
+        ws, res, rec_disk = place(self.keys.arrays, self.dev, self.host, self._ws, b, clock.cpu().numpy(),
+                                  b.counts.cpu().numpy(), account, self.counters.table.numpy(), self)
         M = int(res[_plan.M])
-        nd = int(res[_plan.N_DISK])
-        rec_disk = None
-        try:
-            if nd:
-                pos = torch.from_numpy(ws[_plan.DISK, :nd].copy())
-                rec_disk, found = self.read(b.t.cpu().index_select(0, pos), b.k.cpu().index_select(0, pos))
-                ws[_plan.FOUND, :nd] = found.numpy()
-            nw = int(res[_plan.N_WB])
-            if nw:
-                self.write_back(ws[_plan.WB, :nw])
-        except BaseException:
-            _plan.abort(dev.policy.state, host.policy.state)
-            raise
-        clock_np = clock.cpu().numpy()
-        counts_np = b.counts.cpu().numpy()
-        _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock_np, counts_np,
-                     account, ws, res, self.counters.table.numpy())
+        p = placement(ws, res, b.k.numel(), self.dev.capacity)
         if M == 0:
-            p = Placement(None, torch.from_numpy(ws[_plan.SLOT, :U].copy()))
             if self.staged.active:
                 p.dev = self.staged.stage(b, p, extra)
             return p
         self.epoch += 1
-        slot = torch.from_numpy(ws[_plan.SLOT, :U].copy())
-        ondev = torch.from_numpy(ws[_plan.ONDEV, :U] != 0)
-        was_dev = torch.from_numpy((ws[_plan.G, :U] >= 0) & (ws[_plan.G, :U] < dev.capacity))
-        p = Placement(None if bool(ondev.all()) else ondev, slot, was_dev)
         t0 = time.perf_counter()
         if self.staged.active:
             self.staged.move(ws, res, rec_disk, p, b, extra)
@@ -166,6 +138,19 @@ class Residency:
             self.copy_plan(ws, res, rec_disk)
         self.counters.copy_seconds.observe(time.perf_counter() - t0)
         return p
+
+    def fetch(self, b: Batch, ws: np.ndarray, res: np.ndarray) -> torch.Tensor:
+        """The plan's disk rows of ``b`` (:mod:`hiermem.store.placing`'s backing): their
+        records (cpu), from LMDB if written, else initial; ``ws[FOUND]`` says which."""
+        nd = int(res[_plan.N_DISK])
+        pos = torch.from_numpy(ws[_plan.DISK, :nd].copy())
+        rec_disk, found = self.read(b.t.cpu().index_select(0, pos), b.k.cpu().index_select(0, pos))
+        ws[_plan.FOUND, :nd] = found.numpy()
+        return rec_disk
+
+    def write_victims(self, ws: np.ndarray, res: np.ndarray) -> None:
+        """The plan's dirty victims to LMDB (:mod:`hiermem.store.placing`'s backing)."""
+        self.write_back(ws[_plan.WB, :int(res[_plan.N_WB])])
 
     def write_back(self, wb: np.ndarray) -> None:
         """Write the dirty victims ``wb`` (global slots) to LMDB before their slots are reused.
@@ -307,11 +292,7 @@ class Residency:
 
     def _placed_at(self, g: torch.Tensor) -> Placement:
         """The placement of resident rows at global slots ``g`` (all ``>= 0``)."""
-        D = self.dev.capacity
-        on_dev = g < D
-        if bool(on_dev.all()):
-            return Placement(None, g)
-        return Placement(on_dev, torch.where(on_dev, g, g - D))
+        return placed_at(g, self.dev.capacity)
 
     # -- introspection (the store's where, stats and audit) ------------------------------
     def where(self, ti: int, ids: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,13 @@ def _exercise(part: int | None = None) -> None:
                 P.commit(ix.arrays, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk,
                          np.arange(5, dtype=i64), np.ones(5, dtype=i64), True, ws, res, counters)
             P.abort(dev.policy.state, host.policy.state)
+            from ..core import written as wk  # the simulator's backing (res all zero: nothing to do)
+            res[:] = 0
+            rb, bits, io = np.zeros(2, dtype=i64), np.zeros(8, dtype=np.uint8), np.zeros(16, dtype=i64)
+            wk.fetch(ws, res, bt, bk, rb, bits, io, 256)
+            wk.write_back(ws, res, dev.state[0], dev.state[1], host.state[0], host.state[1], dev.capacity, host.base,
+                          rb, bits, io, 256)
+            wk.moved(res, io, 256)
 
 
 def _exercise_kernels(part: int | None = None) -> None:

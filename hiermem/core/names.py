@@ -1,0 +1,67 @@
+"""Every position the control plane's arrays are read at, named once.
+
+The kernels (:mod:`hiermem.core.plan`, :mod:`~hiermem.core.victims`,
+:mod:`~hiermem.core.replay`, :mod:`~hiermem.core.placement`), the store and the simulator
+index plain int64 arrays; this module names their rows, slots, fields and codes, and
+nothing else defines them (numba reads module-level ints as compile-time constants, so a
+name costs nothing in a kernel).  The counters' public IntEnums
+(:class:`hiermem.observe.stats.Stat`, :class:`~hiermem.observe.stats.IO`) are built from
+the positions here, as are :class:`hiermem.types.Tier`'s first three codes (checked there).
+"""
+
+from __future__ import annotations
+
+# -- the plan's workspace: ws, int64 [NROWS, 2 * U] (hiermem.core.plan) ----------------
+(G,          # each batch row's global slot before the plan (-1: in neither slot tier)
+ SLOT,       # each batch row's tier slot after it
+ ONDEV,      # 1: that slot is on the device
+ MI,         # positions of the device misses
+ VD, VH,     # device / host victims (tier slots, smallest key first)
+ DISK,       # positions of the rows read from disk (or the initialiser)
+ FOUND,      # 1: disk row j was found in LMDB (set by the caller between decide and commit)
+ WB,         # dirty victims to write down (global slots)
+ UP_SRC, UP_DST,  # host -> device copies (tier slots)
+ DN_SRC, DN_DST,  # device -> host copies (tier slots)
+ NEW_DST,    # the global slot of disk row j
+ ENTRY,      # saved index entries of rows changing tier (scratch before)
+ MOVED,      # 1: the row came up to the device (scratch before)
+ SV_T, SV_K, SV_DIRTY, SV_PINS, SV_KEY, SV_SCORE, SV_USES,  # saved slot state of rows changing tier
+ ) = range(23)
+NROWS = 23
+
+# -- the plan's counts: res, int64 [NRES] -----------------------------------------------
+(STATUS, M, N_MOVE, NA, NB, NC, NE, N_VD, N_SKIP, N_VH, N_DISK, N_WB, N_UP, N_DN, DEV_EV, HOST_EV) = range(16)
+NRES = 16
+OK, CAPACITY = 0, 1  # res[STATUS]
+
+# -- a slot tier's state tuple (hiermem.tiers.SlotTier.state) and its tmeta ------------
+T_KT, T_KK, T_DIRTY, T_PINS, T_FREE, T_META, T_MARK = range(7)
+NFREE, NPINNED, CAP, BASE = 0, 1, 2, 3  # tmeta fields
+
+# -- a policy's state tuple (hiermem.core.policies.Policy.state) ------------------------
+P_KEY, P_SCORE, P_USES, P_PARAMS, P_RM, P_RUN_S, P_RUN_K, P_HEAP_K, P_HEAP_S, P_SCRATCH_K, P_SCRATCH_S = range(11)
+# params (float64 [4]): the policy's code, then its parameters
+PARAM_CODE, PARAM_HALF_LIFE, PARAM_ADMIT = 0, 1, 2
+# the victim search's rmeta (int64 [RM_SIZE], hiermem.core.victims)
+RM_VALID, RM_TAU, RM_POS, RM_RLEN, RM_HLEN, RM_BUILDS, RM_SCANS, RM_SCAN_ONLY = range(8)
+RM_SIZE = 8
+
+# -- policy codes (params[PARAM_CODE]) --------------------------------------------------
+LRU, LFU, LFU_DECAY, LOOKAHEAD = 0, 1, 2, 3
+
+# -- counters: table x tier x stat (hiermem.observe.stats.Counters.table) ---------------
+C_DEVICE, C_HOST, C_DISK = 0, 1, 2  # hiermem.types.Tier codes
+NSTAT_TIERS = 3
+LOOKUPS, HITS, MISSES, EVICTIONS, WRITEBACKS = range(5)
+NSTATS = 5
+
+# -- store-wide counters (hiermem.observe.stats.IO) -------------------------------------
+(IO_BYTES_HOST_TO_DEVICE, IO_BYTES_DEVICE_TO_HOST, IO_BYTES_DISK_TO_HOST, IO_BYTES_HOST_TO_DISK,
+ IO_FLUSHES, IO_FLUSHED_ROWS, IO_UPDATES, IO_UPDATED_ROWS, IO_PREFETCHED_ROWS, IO_PREFETCH_HITS,
+ IO_LATE_PREFETCHES, IO_PREFETCH_DEGRADED, IO_PREFETCHED_BATCHES, IO_PREFETCH_REVOKED,
+ IO_PREFETCH_REQUESTS, IO_PREFETCH_PINNED_ROWS) = range(16)
+NIO = 16
+
+# -- the key index's meta (int64 [4], hiermem.core.index) -------------------------------
+IX_KIND, IX_SIZE, IX_TOMB, IX_MASK = range(4)
+DIRECT, HASH = 0, 1  # meta[IX_KIND]

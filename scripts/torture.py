@@ -305,12 +305,12 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
         _checkpoint_kill_point(store, mode, nth)
     real_prefetch = store.prefetch
 
-    def prefetch(tables, ids):  # runs on the pipeline's thread
+    def prefetch(tables, ids, *bags):  # runs on the pipeline's thread
         with store.lock:
             print("P", flush=True)
             in_prefetch[0] = True
             try:
-                return real_prefetch(tables, ids)
+                return real_prefetch(tables, ids, *bags)
             finally:
                 in_prefetch[0] = False
                 print("p", flush=True)

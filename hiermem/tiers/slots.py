@@ -158,5 +158,5 @@ def _pin_add(pins, slots, delta):
         before = pins[s]
         after = before + delta
         pins[s] = after
-        change += (after > 0) - (before > 0)
+        change += (1 if after > 0 else 0) - (1 if before > 0 else 0)
     return change

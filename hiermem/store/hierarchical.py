@@ -364,7 +364,8 @@ class HierarchicalStore:
 
         Residency is accounted here, exactly as the batch's lookup would account it; the
         lookup given the returned ticket then counts prefetch hits instead.  When the
-        rows (those not pinned on the device already) cannot be placed on the device beside the rows pinned there (or not
+        rows (those not pinned on the device already) cannot be placed on the device
+        beside the rows pinned there (or not
         twice beside all pinned rows in both tiers), nothing is pinned
         (``ticket.pinned`` is False, counted in ``PREFETCH_DEGRADED``, and the batch's
         lookup places it normally); it never raises for lack of room.

@@ -343,10 +343,12 @@ def warm(tr: Trainer, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
 
 
 def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool | str, preload: bool,
-               device: str = "cpu"):
+               device: str = "cpu", policy: str | None = None):
     """A store restored from the template, every row loaded when ``preload`` (the timed
     figures are differences of counters, so the loading lookups count in none)."""
-    store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb, device=device)
+    more = {"policy": policy} if policy else {}
+    store = hm.HierarchicalStore.restore(ck, path, device_rows=dev, host_rows=host, write_behind=wb, device=device,
+                                         **more)
     if preload:
         for t in wl.tables:
             for i in range(0, t.num_rows, 1 << 16):
@@ -355,11 +357,11 @@ def open_store(ck: Path, path: Path, wl: Workload, dev: int, host: int, wb: bool
 
 
 def run_config(ctx: dict, wl: Workload, name: str, dev: int, host: int, depth: int, wb: bool | str = False,
-               preload: bool = False, cold: bool = False) -> dict:
+               preload: bool = False, cold: bool = False, policy: str | None = None) -> dict:
     """Train one configuration (warm-up, then timed steps) and its interleaved baseline."""
     a, batches, t_start = ctx["args"], ctx["batches"], time.perf_counter()
     path = ctx["tmp"] / name.replace("/", "_").replace("@", "_")
-    store = open_store(ctx["ck"], path, wl, dev, host, wb, preload, a.device)
+    store = open_store(ctx["ck"], path, wl, dev, host, wb, preload, a.device, policy)
     if cold:
         drop_page_cache(path)
     tr = Trainer(hm.CachedEmbeddingBagCollection(wl.tables, store=store), len(wl.tables), a.dim, device=a.device)
@@ -506,6 +508,11 @@ def run_workload(a, wl: Workload, sizes: list[int], wb_sizes: list[int]) -> tupl
                 pairs.append(("same", (dev, 8 * dev, 0, False), (dev, 8 * dev, 0, False)))
             for what, ca, cb in pairs:
                 pairs_out[f"{wl.name}/{what}@{m}W"] = paired(ctx, wl, f"{wl.name}/{what}@{m}W", ca, cb)
+        if a.cold and a.policies:  # the eviction policies on the disk-backed step (the template's is lru)
+            dev = int(2 * W)
+            for pol in a.policies:
+                name = f"{wl.name}/disk_pf@2W[{pol}]"
+                out[name] = run_config(ctx, wl, name, dev, 8 * dev, DEPTH, policy=pol)
         if a.cold:
             dev = int(2 * W)
             out[f"{wl.name}/cold_pf@2W"] = run_config(ctx, wl, f"{wl.name}/cold_pf@2W", dev, 8 * dev, DEPTH, cold=True)
@@ -662,7 +669,28 @@ def summary(res: dict, Ws: dict, proj: dict, png: Path, a, pairs: dict | None = 
                             "rows_per_step": c["rows_per_step"], "ms_per_step": c["ms_per_step"],
                             "prefetch": c["prefetch_background"], "write_behind": c["write_behind"]}
                         for k, c in res.items()},
-            "projection_gpu_host": proj}
+            "projection_gpu_host": proj,
+            "policies": policy_summary(res)}
+
+
+def policy_summary(res: dict) -> dict | None:
+    """The ``disk_pf@2W[policy]`` runs (same run, same batches): LMDB rows per step (read
+    + written) and samples/s of each, and the best (fewest LMDB rows) against lru."""
+    runs = {k.split("[")[1].rstrip("]"): c for k, c in res.items() if "/disk_pf@2W[" in k}
+    if not runs:
+        return None
+    rows = {p: c["rows_per_step"]["disk_to_host"] + c["rows_per_step"]["host_to_disk"] for p, c in runs.items()}
+    out = {"workload": next(k for k in res if "/disk_pf@2W[" in k).split("/")[0],
+           "lmdb_rows_per_step": {p: round(v, 1) for p, v in rows.items()},
+           "samples_per_s": {p: round(c["samples_per_s"], 1) for p, c in runs.items()},
+           "over_baseline": {p: round(c["over_baseline"], 3) for p, c in runs.items()},
+           "device_hit_rate": {p: c["hit_rates"]["device"] for p, c in runs.items()}}
+    best = min(rows, key=rows.get)
+    out["best"] = best
+    if "lru" in runs:
+        out["best_lmdb_rows_over_lru"] = round(rows[best] / max(rows["lru"], 1e-9), 3)
+        out["best_throughput_over_lru"] = round(runs[best]["samples_per_s"] / runs["lru"]["samples_per_s"], 3)
+    return out
 
 
 def main(argv=None) -> int:
@@ -681,6 +709,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", nargs="+", default=None, choices=("zipf1.05", "zipf1.2", "criteo"),
                     help="default: all three (quick: zipf1.05 criteo)")
     ap.add_argument("--png", type=Path, default=None, help="default runs/bench_train.png")
+    ap.add_argument("--policies", default=None,
+                    help="eviction policies run on the first workload's disk_pf@2W, comma-separated (default: "
+                         "lru,s3fifo,arc,wtinylfu; quick: lru,s3fifo,wtinylfu; 'none' to skip)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the model, the baseline's tables and the device tier live (default cpu)")
     a = ap.parse_args(argv)
@@ -693,6 +724,8 @@ def main(argv=None) -> int:
     a.batch = a.batch or (256 if a.quick else 512)
     a.warmup_cap = a.warmup_cap or (100 if a.quick else 300)
     sizes = a.sizes or ([1, 2] if a.quick else [1, 2, 4, 8])
+    pol = a.policies or ("lru,s3fifo,wtinylfu" if a.quick else "lru,s3fifo,arc,wtinylfu")
+    a.policies = [] if pol == "none" else [p.strip() for p in pol.split(",") if p.strip()]
     wb_sizes = a.write_behind_sizes if a.write_behind_sizes is not None else ([2] if a.quick else sizes)
     png = a.png or Path(__file__).resolve().parent.parent / "runs" / "bench_train.png"
     torch.manual_seed(0)

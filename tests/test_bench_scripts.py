@@ -176,3 +176,51 @@ def test_bench_fbgemm_cache_skips_cleanly_without_cuda():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fbgemm_cache.py"), "--quick"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1]) == {"skipped": "needs CUDA"}
+
+
+@pytest.mark.slow
+def test_bench_policy_tiny_reports_every_table_and_belady_bounds_them(tmp_path):
+    """bench_policy --tiny: the issue's JSON keys and shapes, every hit rate in [0, 1],
+    Belady per access at or above every online policy (and lookahead), hiermem's LRU
+    equal to libCacheSim's where it is installed (targets are not checked here)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_policy.py"), "--tiny", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d == json.loads(out.read_text())
+    for k in ("worst_gap_to_libcachesim_pts", "gap_excludes", "worst_lookahead_over_belady", "lookahead_window_curve",
+              "tables", "targets_met", "seconds", "lru_equals_libcachesim", "libcachesim_skipped"):
+        assert k in d, k
+    assert set(d["targets_met"]) == {"gap_to_libcachesim", "lookahead_over_belady"}
+    assert "zipf1.05" in d["tables"]  # the shared traces are skipped where the data is absent
+    has_lcs = d["libcachesim_version"] is not None
+    gaps, ratios = [], []
+    for trace, sizes in d["tables"].items():
+        assert set(sizes) == {"2%", "10%"}
+        for size, row in sizes.items():
+            assert 0 <= row["belady"] <= 1 and "lru" in row["hiermem"]
+            online = list(row["hiermem"].values())
+            if has_lcs:
+                assert row["libcachesim"]["LRU"] == pytest.approx(row["hiermem"]["lru"], abs=1e-12)
+                online += [v for k, v in row["libcachesim"].items() if k not in ("Belady", "BeladySize")]
+                gaps.append(row["best_online"]["gap_pts"])
+            la = row["lookahead"]["hit_rate"]
+            assert sorted(la, key=int) == ["0", "1", "2", "4", "8", "16", "32", "64"]
+            online += list(la.values())
+            assert all(isinstance(v, float) and 0 <= v <= 1 for v in online), (trace, size)
+            assert row["belady"] >= max(online) - 1e-12, (trace, size)
+            curve = d["lookahead_window_curve"][trace][size]
+            assert curve["16"] == pytest.approx(la["16"] / row["belady"])
+            ratios.append(curve["16"])
+    assert d["worst_lookahead_over_belady"] == pytest.approx(min(ratios))
+    assert d["belady_bounds_every_policy"] is True
+    if has_lcs:
+        assert d["lru_equals_libcachesim"] is True
+        assert d["worst_gap_to_libcachesim_pts"] == pytest.approx(min(gaps))
+        assert isinstance(d["targets_met"]["gap_to_libcachesim"], bool)
+    else:
+        assert d["worst_gap_to_libcachesim_pts"] is None

@@ -336,7 +336,7 @@ def test_saved_policy_file_gone_bad_is_refused_naming_it(tmp_path, change):
     elif change == "unknown-params":
         pf.write_text('name = "lfu"\n[params]\ndecay = 0.5\n')
     elif change == "unknown-name":
-        pf.write_text('name = "arc"\n')
+        pf.write_text('name = "clockpro"\n')
     elif change == "not-toml":
         pf.write_bytes(b"\x00\x01 not toml [[[")
     else:

@@ -102,3 +102,16 @@ def test_readme_tuning_commands_run(tmp_path):
         monkey.undo()
     assert hm.resolve_policy(tmp_path / "runs" / "policies" / "tuned.toml").name in hm.POLICIES
     assert (tmp_path / "runs" / "policies" / "tuned.png").is_file()
+
+
+def test_the_search_covers_every_registered_policy():
+    """Every policy of the registry is a candidate (lookahead only with a pipeline: its
+    future ids come from it), with each class's parameter grid."""
+    from hiermem.core.policies import POLICIES
+
+    cands = candidates(TuneConfig(device_rows=100, host_rows=100, max_prefetch_depth=1), 10_000)
+    assert {c.policy for c in cands} == set(POLICIES)
+    assert all(c.prefetch_depth >= 1 for c in cands if c.policy == "lookahead")
+    assert {dict(c.params).get("small") for c in cands if c.policy == "s3fifo"} == {0.05, 0.10, 0.20}
+    assert {dict(c.params).get("base", "lru") for c in cands if c.policy == "lookahead"} == {"lru", "lfu_decay"}
+    assert all("=" in c.label or c.params == () for c in cands)

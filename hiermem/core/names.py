@@ -41,13 +41,25 @@ NFREE, NPINNED, CAP, BASE = 0, 1, 2, 3  # tmeta fields
 # -- a policy's state tuple (hiermem.core.policies.Policy.state) ------------------------
 P_KEY, P_SCORE, P_USES, P_PARAMS, P_RM, P_RUN_S, P_RUN_K, P_HEAP_K, P_HEAP_S, P_SCRATCH_K, P_SCRATCH_S = range(11)
 # params (float64 [4]): the policy's code, then its parameters
-PARAM_CODE, PARAM_HALF_LIFE, PARAM_ADMIT = 0, 1, 2
+PARAM_CODE, PARAM_HALF_LIFE, PARAM_ADMIT, PARAM_BASE = 0, 1, 2, 3  # PARAM_BASE: lookahead's base policy code
 # the victim search's rmeta (int64 [RM_SIZE], hiermem.core.victims)
 RM_VALID, RM_TAU, RM_POS, RM_RLEN, RM_HLEN, RM_BUILDS, RM_SCANS, RM_SCAN_ONLY = range(8)
 RM_SIZE = 8
 
 # -- policy codes (params[PARAM_CODE]) --------------------------------------------------
 LRU, LFU, LFU_DECAY, LOOKAHEAD = 0, 1, 2, 3
+# queue policies (hiermem.core.queues): victims from linked lists over the slots, not keys
+SIEVE, S3FIFO, ARC, WTINYLFU = 4, 5, 6, 7
+FIRST_QUEUE = SIEVE
+# their state past the victim search's rmeta (rm[RM_SIZE:Q_RMSIZE]): capacity; each
+# queue's head (newest), tail (oldest) and size; the SIEVE hand; ARC's p and ghost-hit
+# flags; the small / window and main / protected targets; the ghosts' two rings and hash
+# table (in hs: offsets, sizes, live counts); the frequency sketch (in hs)
+(Q_C, Q_HEAD, _Q_H1, _Q_H2, _Q_H3, Q_TAIL, _Q_T1, _Q_T2, _Q_T3, Q_SIZE, _Q_S1, _Q_S2, _Q_S3, Q_HAND, Q_P, Q_FLAG,
+ Q_PRE, Q_EVICTED, Q_SMALL, Q_MAIN, Q_PROT, G_CAP, _G_CAP1, G_LO, _G_LO1, G_HI, _G_HI1, G_LIVE, _G_LIVE1, G_RSZ,
+ G_TH, G_USED, G_RING, G_TABLE, K_OFF, K_W, K_ADDS, K_SAMPLE) = range(RM_SIZE, RM_SIZE + 38)
+Q_RMSIZE = RM_SIZE + 38
+Q_NONE, Q_GONE = -1, 8  # qid of a slot in no queue; qid >= Q_GONE: taken as a victim (q + Q_GONE)
 
 # -- counters: table x tier x stat (hiermem.observe.stats.Counters.table) ---------------
 C_DEVICE, C_HOST, C_DISK = 0, 1, 2  # hiermem.types.Tier codes

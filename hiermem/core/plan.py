@@ -37,7 +37,9 @@ from .names import C_DEVICE as _DEV, C_DISK as _DISK, C_HOST as _HOST  # counter
 from .names import EVICTIONS as _EVICTIONS, HITS as _HITS, LOOKUPS as _LOOKUPS, MISSES as _MISSES
 from .names import WRITEBACKS as _WRITEBACKS
 from .jit import inline, kernel, leaf, prefetch, tiny
-from .policy import touch
+from .names import ARC, FIRST_QUEUE, LOOKAHEAD, PARAM_BASE, S3FIFO
+from .policy import SOON, outside_key, touch
+from .queues import carry as qcarry, premiss, rowhash
 from .victims import drop, set_key, victims_
 
 AHEAD = 8  # rows ahead whose slot state the swap loops prefetch
@@ -137,14 +139,16 @@ def decide_(ix, dev, dpol, host, hpol, bt, bk, ws, res):
         return
     vd, vh = ws[VD], ws[VH]
     if n_vd:
-        got = victims_(dkey, dparams, drm, drs, drk, dhk, dhs, dsk, dss, dkt, dpins, dmark, n_vd, dev_ev, D - dnfree,
-                       vd)
+        if np.int64(dparams[PARAM_CODE]) == ARC or np.int64(dparams[PARAM_CODE]) == S3FIFO:
+            premiss(dparams, drm, dhs, bt, bk, mi, n_move)  # the misses meet the ghosts first
+        got = victims_(dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss, dkt, dpins, dmark, n_vd, dev_ev,
+                       D - dnfree, vd)
         assert got == n_vd
     n_skip = max(0, n_vd - room_h)
     n_vh = max(0, (n_vd - n_skip) + ne - hnfree - na)
     if n_vh:
-        got = victims_(hkey, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, hkt, hpins, hmark, n_vh, host_ev,
-                       htm[CAP] - hnfree, vh)
+        got = victims_(hkey, hscore, huses, hparams, hrm, hrs, hrk, hhk, hhs, hsk, hss, hkt, hpins, hmark, n_vh,
+                       host_ev, htm[CAP] - hnfree, vh)
         assert got == n_vh
     if nh:
         _mark_held(dpins, dmark, hits, 0, nh, 0)
@@ -260,7 +264,7 @@ def _save_many(rev, kt, kk, dirty, pins, free, tm, key, score, uses, extra, slot
         if p > 0:
             unpinned += 1
         ws[SV_KEY, c] = key[s]
-        if extra:  # only lfu_decay keeps per-slot state beside its key
+        if extra:  # lfu_decay's score and uses, a queue policy's count and row hash
             wsf[c] = score[s]
             ws[SV_USES, c] = uses[s]
         g = base + s
@@ -288,6 +292,8 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
     base = tm[BASE]
     direct = meta[IX_KIND] == DIRECT
     valid, tau = rm[RM_VALID] != 0, rm[RM_TAU]
+    code = np.int64(params[PARAM_CODE])
+    queue = code >= FIRST_QUEUE
     pinned = np.int64(0)
     for j in range(n):
         if j + AHEAD < n:
@@ -313,10 +319,20 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
             score[d] = wsf[c]
             uses[d] = ws[SV_USES, c]
         k = ws[SV_KEY, c]
+        if queue:
+            key[d] = k
+            qcarry(params, code, score, uses, rm, hk, hs, d)
+        elif code == LOOKAHEAD:  # its base key (a window key's base is not kept: the oldest)
+            b = np.int64(0) if k >= SOON else (k << 2 if np.int64(params[PARAM_BASE]) == LFU_DECAY else k)
+            hk[d] = b
+            hs[d] = -1
+            k = outside_key(np.int64(params[PARAM_BASE]), b)
         if use:
             key[d] = k
             i = pos[j]
             touch(key, score, uses, params, rm, hk, hs, d, clock[i], counts[i], False)
+        elif queue or code == LOOKAHEAD:  # (lookahead's victims come from a pass: no reservoir)
+            key[d] = k
         elif valid and k <= tau:
             set_key(key, rm, hk, hs, d, k)
             valid = rm[RM_VALID] != 0
@@ -340,6 +356,8 @@ def _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, use
     kk[d] = k
     dirty[d] = False
     pins[d] = 0
+    if np.int64(params[PARAM_CODE]) >= FIRST_QUEUE:  # ghosts and sketches know rows by their hash
+        uses[d] = rowhash(t, k)
     insert1(meta, offsets, slot_of, rev, tab, t, k, g)
     touch(key, score, uses, params, rm, hk, hs, d, c, cnt, True)
 
@@ -492,7 +510,8 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
         counters[t, _DEV, _EVICTIONS] += 1
         if ddirty[s]:
             counters[t, _DEV, _WRITEBACKS] += 1
-    extra = np.int64(dparams[PARAM_CODE]) == LFU_DECAY
+    dcode = np.int64(dparams[PARAM_CODE])
+    extra = dcode == LFU_DECAY or dcode == LOOKAHEAD or dcode >= FIRST_QUEUE
     if na:
         _save_many(rev, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, extra, up_src, na, ws, wsf, np.int64(0))
     if nd:

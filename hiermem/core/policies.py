@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import policy as _pk
+from . import queues as _qk
 from . import names as _names
 from . import victims as _vk
 from .index import as_array
@@ -124,10 +125,10 @@ class EvictionPolicy:
         _pk.carry_in(self.state, as_array(slots), np.ascontiguousarray(c[:, 0]).view(np.int64),
                      np.ascontiguousarray(c[:, 1]), c[:, 2].astype(np.int64))
 
-    def on_lookahead(self, slots) -> None:
+    def on_lookahead(self, slots, next_use=None) -> None:
         """The rows in ``slots`` will be used by the next ``window`` batches; this set
-        replaces the previous call's.  Default: ignored."""
-        _pk.lookahead_keys(self.state, as_array(slots))
+        replaces the previous call's; ``next_use``: how many batches ahead each is next
+        used.  Default: ignored."""
 
     def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
         """``n`` slots to evict, the smallest ``(key, slot)`` first, among the slots of
@@ -304,6 +305,12 @@ class LFUDecay(EvictionPolicy):
     name = "lfu_decay"
     code = _pk.LFU_DECAY
 
+    @staticmethod
+    def tune_grid(accesses: int) -> list[dict]:
+        """Half-lives of 0.3%, 3% and 30% of the trace, with and without admission."""
+        return [{"half_life": float(max(1.0, round(accesses * f))), "admit": a} for f in (0.003, 0.03, 0.3)
+                for a in (1, 2)]
+
     def __init__(self, capacity: int, device: torch.device | str = "cpu", half_life: float = 100_000.0,
                  admit: int = 1):
         self.half_life = float(_number("half_life", half_life, 1e-9))
@@ -318,21 +325,218 @@ class LFUDecay(EvictionPolicy):
         return torch.from_numpy(self._score)
 
 
+class QueuePolicy(EvictionPolicy):
+    """A policy whose victims come from queues over the slots (:mod:`hiermem.core.queues`):
+    the state tuple's heap arrays hold the lists, ghosts and sketch, ``score`` a per-slot
+    count, ``uses`` each row's hash; the reservoir is not used."""
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", **params: Any):
+        self._qparams = params
+        super().__init__(capacity, device)
+        C = self.capacity
+        nhk, nhs = _qk.layout(self.code, C, params)
+        rm = np.zeros(_names.Q_RMSIZE, dtype=np.int64)
+        hk = np.empty(max(1, nhk), dtype=np.int64)
+        hs = np.zeros(max(1, nhs), dtype=np.int64)
+        st = list(self.state)
+        st[_names.P_RM], st[_names.P_HEAP_K], st[_names.P_HEAP_S] = rm, hk, hs
+        st[_names.P_RUN_S] = st[_names.P_RUN_K] = st[_names.P_SCRATCH_K] = st[_names.P_SCRATCH_S] = np.empty(
+            1, dtype=np.int64)
+        self.state = tuple(st)
+        _qk.init_state(self.code, C, params, rm, hk, hs)
+
+    @property
+    def reservoir(self) -> bool:
+        return False
+
+    @reservoir.setter
+    def reservoir(self, on: bool) -> None:  # nothing to switch: the lists are exact
+        pass
+
+    def reset(self) -> None:
+        st = self.state
+        _qk.init_state(self.code, self.capacity, self._qparams, st[_names.P_RM], st[_names.P_HEAP_K],
+                       st[_names.P_HEAP_S])
+        if self.code == _names.ARC:
+            st[_names.P_PARAMS][1] = 0.0  # p
+
+    def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
+        """``n`` slots to evict, in the order the policy evicts them, among the slots of
+        the bool mask ``evictable`` (the policy's state moves as it would: second chances
+        given, ghosts entered).
+
+        Raises:
+            InvalidArgumentError: fewer than ``n`` slots are evictable.
+        """
+        if n <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        ev = as_array(evictable, np.bool_)
+        out = np.empty(n, dtype=np.int64)
+        got = _qk.victims_of(self.state, np.zeros(self.capacity, np.int64), (~ev).astype(np.int32),
+                             np.zeros(self.capacity, np.uint8), n, out)
+        if got < n:
+            raise InvalidArgumentError(f"need {n} victims, only {got} evictable")
+        return torch.from_numpy(out)
+
+    def check_reservoir(self, occupied) -> None:
+        st = self.state
+        assert _qk.check(st[_names.P_RM], st[_names.P_HEAP_K], np.zeros(1, np.int64)), f"{self.name}: lists broken"
+
+
+def _ratio(name: str, v, lo: float, hi: float) -> float:
+    v = float(_number(name, v, lo))
+    if v >= hi:
+        raise InvalidArgumentError(f"{name} must be < {hi}, got {v!r}")
+    return v
+
+
+@register_policy
+class Sieve(QueuePolicy):
+    """SIEVE (Zhang et al., NSDI'24): a FIFO queue with a visited bit and a moving hand.
+
+    A hit sets the row's visited bit.  To evict, the hand walks from where it stopped
+    toward newer rows (from the oldest when it has none), clearing visited bits, and
+    evicts the first row not visited.  Rows are never moved on a hit.
+    """
+
+    name = "sieve"
+    code = _names.SIEVE
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu"):
+        super().__init__(capacity, device)
+
+
+@register_policy
+class S3FIFO(QueuePolicy):
+    """S3-FIFO (Yang et al., SOSP'23): a small FIFO, a main FIFO and a ghost FIFO.
+
+    New rows enter the small queue (the main one when their id is in the ghost).  A row
+    leaving the small queue moves to main if it was used ``threshold`` times there, else
+    it is evicted and its id enters the ghost; main is a FIFO with a 2-bit clock.
+
+    Args:
+        small: the small queue's share of the slots.
+        ghost: the ghost's size, as a share of the slots.
+        threshold: uses in the small queue that move a row to main.
+    """
+
+    name = "s3fifo"
+    code = _names.S3FIFO
+
+    @staticmethod
+    def tune_grid(accesses: int) -> list[dict]:
+        return [{"small": f} for f in (0.05, 0.10, 0.20)]
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", small: float = 0.10, ghost: float = 0.90,
+                 threshold: int = 2):
+        small = _ratio("small", small, 0.0, 1.0)
+        ghost = float(_number("ghost", ghost, 0.0))
+        threshold = int(_number("threshold", threshold, 1, integer=True))
+        if threshold != 2:
+            raise InvalidArgumentError("threshold: only 2 (libCacheSim's default) is compiled")
+        self.small, self.ghost, self.threshold = small, ghost, threshold
+        super().__init__(capacity, device, small=small, ghost=ghost)
+
+    def _params(self) -> list[float]:
+        return [float(self.code), self.small, self.ghost, float(self.threshold)]
+
+
+@register_policy
+class ARCPolicy(QueuePolicy):
+    """ARC (Megiddo & Modha, FAST'03): recency (T1) and frequency (T2) LRU lists whose
+    split ``p`` adapts to hits in their ghosts (B1, B2)."""
+
+    name = "arc"
+    code = _names.ARC
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu"):
+        super().__init__(capacity, device)
+
+
+@register_policy
+class WTinyLFU(QueuePolicy):
+    """W-TinyLFU (Einziger et al., as Caffeine): a window LRU in front of a segmented
+    LRU main cache, with a count-min sketch deciding, when the cache is full, whether the
+    window's oldest row or main's victim stays.
+
+    Args:
+        window: the window's share of the slots (Caffeine and libCacheSim: 1%).
+    """
+
+    name = "wtinylfu"
+    code = _names.WTINYLFU
+
+    @staticmethod
+    def tune_grid(accesses: int) -> list[dict]:
+        return [{"window": f} for f in (0.01, 0.10)]
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", window: float = 0.01):
+        self.window = _ratio("window", window, 0.0, 1.0)
+        super().__init__(capacity, device, window=self.window)
+
+    def _params(self) -> list[float]:
+        return [float(self.code), self.window, 0.0, 0.0]
+
+
+_LOOKAHEAD_BASES = {"lru": _names.LRU, "lfu": _names.LFU, "lfu_decay": _names.LFU_DECAY}
+
+
 @register_policy
 class Lookahead(EvictionPolicy):
-    """Evict first the rows not used by the next ``window`` batches, LRU among equals.
+    """An oracle within its window: evict first the rows no batch of the next ``window``
+    uses (in the order of the ``base`` policy), then the rows used in the window, the one
+    whose next use is furthest first (Belady's rule inside the window; ties by the base
+    key's recency bits).
 
-    The key is ``last_clock | SOON`` where ``SOON`` (bit 62) marks the slots named by the
-    last :meth:`on_lookahead` call.  Without lookahead calls it is exact LRU.
+    The prefetch pipeline (and the simulator, which knows the trace) tell it before each
+    placement which resident rows the next ``window`` batches use and how many batches
+    ahead (:meth:`on_lookahead`).  Without lookahead calls it is its base policy.  A
+    window covering the whole trace is Belady's MIN (demand paging: the missed row always
+    enters).  The window (in batches) is independent of the prefetch depth.
 
     Args:
         window: batches to look ahead; 0 means the prefetch depth of the run.
+        base: the order outside the window: ``"lru"``, ``"lfu"`` or ``"lfu_decay"``.
+        half_life, admit: ``lfu_decay``'s, when it is the base.
     """
 
     name = "lookahead"
     code = _pk.LOOKAHEAD
     wants_lookahead = True
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", window: int = 0):
+    @staticmethod
+    def tune_grid(accesses: int) -> list[dict]:
+        """Windows of 0 (the prefetch depth), 2, 8 and 32 batches over LRU, and 8 over
+        lfu_decay (half-life 3% of the trace)."""
+        return [{"window": w} for w in (0, 2, 8, 32)] + [
+            {"window": 8, "base": "lfu_decay", "half_life": float(max(1.0, round(accesses * 0.03)))}]
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", window: int = 0, base: str = "lru",
+                 half_life: float = 100_000.0, admit: int = 1):
         self.window = int(_number("window", window, 0, integer=True))
+        if base not in _LOOKAHEAD_BASES:
+            raise InvalidArgumentError(f"base must be one of {sorted(_LOOKAHEAD_BASES)}, got {base!r}")
+        self.base = base
+        self.half_life = float(_number("half_life", half_life, 1e-9))
+        self.admit = int(_number("admit", admit, 1, integer=True))
         super().__init__(capacity, device)
+        st = list(self.state)  # base keys and next uses per slot (the reservoir is not used)
+        C = self.capacity
+        st[_names.P_HEAP_K] = np.zeros(max(C, st[_names.P_HEAP_K].size), dtype=np.int64)
+        st[_names.P_HEAP_S] = np.full(max(C, st[_names.P_HEAP_S].size), -1, dtype=np.int64)
+        self.state = tuple(st)
+
+    def _params(self) -> list[float]:
+        return [float(self.code), self.half_life, float(self.admit), float(_LOOKAHEAD_BASES[self.base])]
+
+    def on_lookahead(self, slots, next_use=None) -> None:
+        """The rows in ``slots`` are used by the window's batches, next ``next_use``
+        batches ahead (int64 per slot; None: all alike); replaces the last call's set."""
+        s = as_array(slots)
+        nxt = np.zeros(s.size, dtype=np.int64) if next_use is None else as_array(next_use)
+        _pk.lookahead_keys(self.state, s, nxt)
+
+    def on_carry_in(self, slots, carried) -> None:
+        super().on_carry_in(slots, carried)
+        c = as_array(carried, np.float64)
+        _pk.lookahead_carry(self.state, as_array(slots), np.ascontiguousarray(c[:, 0]).view(np.int64))

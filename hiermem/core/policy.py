@@ -29,13 +29,16 @@ import numpy as np
 
 from .jit import f64_bits, kernel, tiny
 from .names import LFU, LFU_DECAY, LOOKAHEAD, LRU  # noqa: F401  (the policy codes)
-from .names import P_KEY, P_PARAMS, P_RM, PARAM_ADMIT, PARAM_CODE, PARAM_HALF_LIFE
+from .names import FIRST_QUEUE
+from . import queues as _q
+from .names import P_HEAP_K, P_HEAP_S, P_KEY, P_PARAMS, P_RM, PARAM_ADMIT, PARAM_BASE, PARAM_CODE, PARAM_HALF_LIFE
 from .victims import drop, set_key
 
 CLOCK_BITS = 40  # LFU keys pack (count, last clock) as count << 40 | clock
 _CLOCK_MASK = (1 << CLOCK_BITS) - 1
 _COUNT_MAX = (1 << 22) - 1
 SOON = 1 << 62  # lookahead: rows the next batches use (evicted after all others)
+NEXT_MAX = (1 << 21) - 1  # lookahead: next uses further ahead tie
 PROBATION = float(2 ** 41)  # lfu_decay: below any log2 score reached
 _LN2 = 0.6931471805599453
 
@@ -59,17 +62,14 @@ def _logaddexp2(a, b):
 
 
 @tiny
-def new_key(params, key, score, uses, s, clock, count, insert):
-    """The key of slot ``s`` after an access (``insert``: the row just entered the
-    tiers) of ``count`` uses, the last at ``clock``; updates ``score``/``uses``."""
-    kind = np.int64(params[PARAM_CODE])
+def _key_of(kind, params, prev, score, uses, s, clock, count, insert):
+    """The key of slot ``s`` under the key policy ``kind`` (LRU, LFU, LFU_DECAY) after an
+    access; ``prev`` its key before (LFU reads its count there)."""
     if kind == LRU:
         return clock
     if kind == LFU:
-        c = count if insert else (key[s] >> CLOCK_BITS) + count
+        c = count if insert else (prev >> CLOCK_BITS) + count
         return (min(c, _COUNT_MAX) << CLOCK_BITS) | (clock & _CLOCK_MASK)
-    if kind == LOOKAHEAD:
-        return clock if insert else clock | (key[s] & SOON)
     # LFU_DECAY: log2 of the sum of count * 2**(clock / half_life) over uses
     w = math.log2(np.float64(count)) + clock / params[PARAM_HALF_LIFE]
     if insert:
@@ -83,9 +83,45 @@ def new_key(params, key, score, uses, s, clock, count, insert):
 
 
 @tiny
+def new_key(params, key, score, uses, s, clock, count, insert):
+    """The key of slot ``s`` after an access (``insert``: the row just entered the
+    tiers) of ``count`` uses, the last at ``clock``; updates ``score``/``uses``."""
+    kind = np.int64(params[PARAM_CODE])
+    if kind == LOOKAHEAD:  # (touch keeps lookahead's base keys; this is its LRU form)
+        return clock if insert else clock | (key[s] & SOON)
+    return _key_of(kind, params, key[s], score, uses, s, clock, count, insert)
+
+
+@tiny
+def outside_key(base, b):
+    """Lookahead's key of a row no batch in the window uses: its base key, below ``SOON``
+    (lfu_decay's float-ordered keys shifted down two bits; LRU and LFU keys already are)."""
+    return b >> 2 if base == LFU_DECAY else b
+
+
+@tiny
+def window_key(b, nxt):
+    """Lookahead's key of a row next used ``nxt`` batches ahead (inside the window): above
+    every base key, the furthest first, ties by the base key's low 40 bits (LRU's clock)."""
+    return SOON | ((NEXT_MAX - min(nxt, NEXT_MAX)) << CLOCK_BITS) | (b & _CLOCK_MASK)
+
+
+@tiny
 def touch(key, score, uses, params, rm, hk, hs, s, clock, count, insert):
-    """Apply :func:`new_key` to slot ``s`` through the victim search's bookkeeping."""
-    set_key(key, rm, hk, hs, s, new_key(params, key, score, uses, s, clock, count, insert))
+    """Apply :func:`new_key` to slot ``s`` through the victim search's bookkeeping (a
+    queue policy's lists, :mod:`hiermem.core.queues`, instead)."""
+    code = np.int64(params[PARAM_CODE])
+    if code >= FIRST_QUEUE:
+        _q.access(params, code, key, score, uses, rm, hk, hs, s, clock, count, insert)
+    elif code == LOOKAHEAD:  # base keys in hk, next uses inside the window in hs (-1: none)
+        base = np.int64(params[PARAM_BASE])
+        b = _key_of(base, params, hk[s], score, uses, s, clock, count, insert)
+        hk[s] = b
+        if insert:
+            hs[s] = -1
+        key[s] = outside_key(base, b) if hs[s] < 0 else window_key(b, hs[s])
+    else:
+        set_key(key, rm, hk, hs, s, new_key(params, key, score, uses, s, clock, count, insert))
 
 
 @kernel
@@ -99,29 +135,54 @@ def access(pol, slots, clock, counts, insert):
 @kernel
 def carry_in(pol, slots, key_in, score_in, uses_in):
     """Slots take carried state (``key, score, uses`` per slot, int64/float64/int64)."""
-    key, score, uses, _, rm, _, _, hk, hs, _, _ = pol
+    key, score, uses, params, rm, _, _, hk, hs, _, _ = pol
+    code = np.int64(params[PARAM_CODE])
     for i in range(slots.size):
         s = slots[i]
         score[s] = score_in[i]
         uses[s] = uses_in[i]
         set_key(key, rm, hk, hs, s, key_in[i])
+    if code >= FIRST_QUEUE:  # the rows enter the queues oldest access first
+        order = np.argsort(key_in, kind="mergesort")
+        for i in range(order.size):
+            _q.carry(params, code, score, uses, rm, hk, hs, slots[order[i]])
 
 
 @kernel
-def lookahead_keys(pol, slots):
-    """The rows in ``slots`` are used by the next batches (this set replaces the last):
-    their keys get the ``SOON`` bit, every other key loses it.  Rewrites every key, so the
-    victim search starts over."""
-    key = pol[P_KEY]
-    if np.int64(pol[P_PARAMS][PARAM_CODE]) != LOOKAHEAD:
+def lookahead_keys(pol, slots, nxt):
+    """The rows in ``slots`` are next used ``nxt`` batches ahead (inside the window; this
+    set replaces the last): their keys become :func:`window_key`, every other slot's its
+    base key.  Rewrites every key, so the victim search starts over."""
+    key, hk, hs = pol[P_KEY], pol[P_HEAP_K], pol[P_HEAP_S]
+    params = pol[P_PARAMS]
+    if np.int64(params[PARAM_CODE]) != LOOKAHEAD:
         return
-    for s in range(key.size):
-        key[s] &= SOON - 1
+    base = np.int64(params[PARAM_BASE])
+    for s in range(min(key.size, hk.size)):
+        hs[s] = -1
+        key[s] = outside_key(base, hk[s])
     for i in range(slots.size):
-        key[slots[i]] |= SOON
+        s = slots[i]
+        hs[s] = max(nxt[i], 0)
+        key[s] = window_key(hk[s], hs[s])
     drop(pol[P_RM])
+
+
+@kernel
+def lookahead_carry(pol, slots, key_in):
+    """Lookahead rows carried in with keys ``key_in``: their base keys (a window key's
+    base is not kept: it becomes the oldest)."""
+    key, hk, hs = pol[P_KEY], pol[P_HEAP_K], pol[P_HEAP_S]
+    base = np.int64(pol[P_PARAMS][PARAM_BASE])
+    for i in range(slots.size):
+        s = slots[i]
+        k = key_in[i]
+        b = np.int64(0) if k >= SOON else (k << 2 if base == LFU_DECAY else k)
+        hk[s] = b
+        hs[s] = -1
+        key[s] = outside_key(base, b)
 
 
 def incremental(kind: int) -> bool:
     """Whether keys change only through :func:`set_key` (victims from the reservoir)."""
-    return kind != LOOKAHEAD
+    return kind != LOOKAHEAD and kind < FIRST_QUEUE

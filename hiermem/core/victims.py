@@ -29,6 +29,8 @@ import numpy as np
 from numba.core import types
 
 from .jit import DISABLED, helper, inline, is_warm, kernel, leaf, prefetch, tiny
+from . import queues as _q
+from .names import FIRST_QUEUE as _FIRST_QUEUE
 
 from .names import (RM_BUILDS as _BUILDS, RM_HLEN as _HLEN, RM_POS as _POS, RM_RLEN as _RLEN,
                     RM_SCAN_ONLY as SCAN_ONLY, RM_SCANS as _SCANS, RM_TAU as _TAU, RM_VALID as _VALID)
@@ -436,12 +438,15 @@ def _walk(key, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, out):
 
 
 @inline
-def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable, occupancy, out):
+def victims_(key, score, uses, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable, occupancy,
+             out):
     """``out[:n]`` = the ``n`` evictable slots with the smallest ``(key, slot)``, in that
     order; ``evictable`` of ``occupancy`` occupied slots are.  Returns the number found
     (``n``, or fewer when fewer are evictable).  ``out``: int64 ``[>= n]``."""
     if n <= 0:
         return 0
+    if np.int64(params[PARAM_CODE]) >= _FIRST_QUEUE:  # a queue policy: its lists decide
+        return _q.victims(params, score, uses, rm, hk, hs, keys_t, pins, mark, n, out)
     if evictable < n:
         return scan_(key, rm, keys_t, pins, mark, n, out)
     held = occupancy - evictable
@@ -466,8 +471,9 @@ def victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, 
 @kernel
 def victims(pol, keys_t, pins, mark, n, evictable, occupancy, out):
     """:func:`victims_` over a policy state tuple."""
-    key, _, _, params, rm, run_s, run_k, hk, hs, sk, ss = pol
-    return victims_(key, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable, occupancy, out)
+    key, score, uses, params, rm, run_s, run_k, hk, hs, sk, ss = pol
+    return victims_(key, score, uses, params, rm, run_s, run_k, hk, hs, sk, ss, keys_t, pins, mark, n, evictable,
+                    occupancy, out)
 
 
 @kernel

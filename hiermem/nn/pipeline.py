@@ -500,7 +500,8 @@ class PrefetchPipeline:
         for x in [h] + nxt:
             x.prepare()
         if nxt:
-            self.store.set_lookahead(torch.cat([x.tables for x in nxt]), torch.cat([x.ids for x in nxt]))
+            when = torch.cat([torch.full((x.ids.numel(),), x.index - h.index, dtype=torch.int64) for x in nxt])
+            self.store.set_lookahead(torch.cat([x.tables for x in nxt]), torch.cat([x.ids for x in nxt]), when)
         else:
             self.store.set_lookahead(h.tables[:0], h.ids[:0])
 

@@ -83,6 +83,10 @@ class SimConfig:
         pipeline: (no prefetch) deduplicate each batch a batch ahead on a second thread;
             None: where torch has more than one thread and batches average at least
             ``hiermem.core.replay.PIPELINE_IDS`` ids.  The numbers are the same either way.
+        lookahead: when a ``wants_lookahead`` policy learns the window's batches.  None:
+            as a store does, from its prefetch pipeline (depth > 0; plain lookups give the
+            base policy); True: at any depth, plain lookups included (the trace is known:
+            an offline oracle, e.g. against Belady per access).
     """
 
     device_rows: int
@@ -93,6 +97,7 @@ class SimConfig:
     row_bytes: int = 256
     cost: CostModel = field(default_factory=CostModel)
     pipeline: Optional[bool] = None
+    lookahead: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("device_rows", "host_rows", "row_bytes"):
@@ -105,7 +110,7 @@ class SimConfig:
         k = self.prefetch_depth
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise InvalidArgumentError(f"prefetch_depth must be an int >= 0, got {k!r}")
-        for name in ("updates", "pipeline"):
+        for name in ("updates", "pipeline", "lookahead"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise InvalidTypeError(f"{name} must be a bool or None")
 
@@ -312,10 +317,11 @@ class Simulator:
         self._clock = 0
         self.degraded = 0
         self._window = int(getattr(self._dev.policy, "window", 0) or 0) or config.prefetch_depth
-        # future ids are known only to a prefetch pipeline: no lookahead with plain lookups
-        self._lookahead = self._dev.policy.wants_lookahead and config.prefetch_depth > 0
-        self._soon = torch.zeros(self.b.num_rows, dtype=torch.int32) if self._lookahead else None
-        self._soon_in: set[int] = set()  # the batches counted in _soon
+        # future ids come from a prefetch pipeline, as in the store, unless asked for at
+        # any depth (the trace is known)
+        self._lookahead = self._dev.policy.wants_lookahead and (config.prefetch_depth > 0 or bool(config.lookahead))
+        if self._lookahead:
+            self._lookahead_pairs()
 
     # -- the store's rule -------------------------------------------------------------
     def _batch(self, i: int) -> Batch:
@@ -360,27 +366,45 @@ class Simulator:
             self._io[IO.UPDATES] += 1
             self._io[IO.UPDATED_ROWS] += p.slot.numel()
 
+    def _lookahead_pairs(self) -> None:
+        """Each batch's distinct rows, batch by batch (``_pair_row``, offsets ``_pair_off``),
+        for the window's next uses."""
+        b = self.b
+        bat = np.repeat(np.arange(b.n, dtype=np.int64), np.diff(b.offsets_np))
+        key = np.unique(bat * max(1, b.num_rows) + b.dense.numpy())  # (batch, row), batch-major
+        self._pair_bat = key // max(1, b.num_rows)
+        self._pair_row = key % max(1, b.num_rows)
+        self._pair_off = np.searchsorted(self._pair_bat, np.arange(b.n + 1, dtype=np.int64))
+        self._nx = np.full(b.num_rows, -1, dtype=np.int64)
+
     def _mark_lookahead(self, i: int) -> None:
-        """Tell the policies which resident rows batches ``i+1 .. i+window`` use."""
-        soon, b = self._soon, self.b
-        # the window may move back: a refused batch's plain lookup comes after later prefetches
-        want = set(range(i + 1, min(i + self._window, b.n - 1) + 1))
-        for j in self._soon_in - want:  # batches leaving it
-            soon[b.rows(j)] -= 1
-        for j in sorted(want - self._soon_in):  # batches entering it
-            soon[b.rows(j)] += 1
-        self._soon_in = want
+        """Tell the policies which resident rows batches ``i+1 .. i+window`` use, and how
+        many batches ahead each is next used (as the prefetch pipeline tells the store)."""
+        lo, hi = self._pair_off[min(i + 1, self.b.n)], self._pair_off[min(i + self._window, self.b.n - 1) + 1]
+        rows, first = np.unique(self._pair_row[lo:hi], return_index=True)  # batch-major: the first use
+        nx = self._nx
+        nx[rows] = self._pair_bat[lo:hi][first] - i
         for tier in (self._dev, self._host):
-            occ = tier.keys_t >= 0
-            rows = torch.from_numpy(self.b.row_base)[tier.keys_t.clamp(min=0)] + tier.keys_k
-            tier.policy.on_lookahead((occ & (soon.index_select(0, rows) > 0)).nonzero().squeeze(1))
+            kt = tier.keys_t.numpy()
+            occ = np.flatnonzero(kt >= 0)
+            r = self.b.row_base[kt[occ]] + tier.keys_k.numpy()[occ]
+            w = nx[r]
+            sel = w > 0
+            tier.policy.on_lookahead(occ[sel], w[sel])
+        nx[rows] = -1
 
     def _run_plain(self, threads: int) -> None:
         """Every batch in one compiled loop (:func:`hiermem.core.replay.replay`); with
         ``threads > 1`` and large batches, each batch's dedup runs a batch ahead on a
         second thread (:func:`~hiermem.core.replay.replay_pipelined`, same numbers)."""
-        if self._lookahead:  # pragma: no cover - lookahead needs prefetch (k > 0)
-            raise AssertionError("lookahead replays go through _run_prefetch")
+        if self._lookahead:  # the policy learns the window before each batch: one batch a call
+            off = self.b.offsets_np
+            for i in range(self.b.n):
+                if off[i + 1] > off[i]:
+                    p = self._place(i, self._batch(i), True)
+                    if self.updates:
+                        self._update(p)
+            return
         b, dev, host = self.b, self._dev, self._host
         announce_compile(replay, "the simulator's replay loop")  # not warmed at import: ~20 s, once
         lens = np.diff(b.offsets_np)

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidTypeError, MissingDependencyError
-from ..core.policies import PolicySpec
+from ..core.policies import POLICIES, PolicySpec
 from .bounds import belady_misses, lru_mrc
 from .cost import CostModel
 from .engine import SimConfig, SimResult, dense_rows, simulate
@@ -66,7 +66,7 @@ class Candidate:
     """One point of the search: a policy with parameters, tier sizes and prefetch depth."""
 
     policy: str
-    params: tuple[tuple[str, float | int], ...]
+    params: tuple[tuple[str, float | int | str], ...]
     device_rows: int
     host_rows: int
     prefetch_depth: int
@@ -77,18 +77,19 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        p = ",".join(f"{k}={v:g}" for k, v in self.params)
+        p = ",".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in self.params)
         return f"{self.policy}({p}) D={self.device_rows} H={self.host_rows} k={self.prefetch_depth}"
 
 
 def policy_grid(accesses: int) -> list[tuple[str, tuple]]:
-    """Policies and parameter sets to try (half-lives relative to the trace length)."""
-    grid: list[tuple[str, tuple]] = [("lru", ()), ("lfu", ())]
-    for frac in (0.003, 0.03, 0.3):
-        for admit in (1, 2):
-            grid.append(("lfu_decay", (("half_life", float(max(1.0, round(accesses * frac)))), ("admit", admit))))
-    for window in (0, 2, 8):
-        grid.append(("lookahead", (("window", window),)))
+    """Every registered policy with the parameter sets to try: a policy class's
+    ``tune_grid(accesses)`` where it has one (lfu_decay's half-lives relative to the
+    trace length, S3-FIFO's small-queue shares, W-TinyLFU's windows, lookahead's windows
+    and bases), else its defaults alone."""
+    grid: list[tuple[str, tuple]] = []
+    for name, cls in POLICIES.items():
+        sets = cls.tune_grid(accesses) if hasattr(cls, "tune_grid") else [{}]
+        grid.extend((name, tuple(sorted(p.items()))) for p in sets)
     return grid
 
 
@@ -230,6 +231,7 @@ def _need_matplotlib():
 
 #: One colour per policy family, the same in every plot.
 POLICY_COLOURS = {"lru": "tab:blue", "lfu": "tab:orange", "lfu_decay": "tab:green", "lookahead": "tab:red",
+                  "sieve": "tab:purple", "s3fifo": "tab:brown", "arc": "tab:pink", "wtinylfu": "tab:olive",
                   "belady": "black", "lru-mrc": "tab:gray"}
 
 

@@ -324,17 +324,19 @@ class HierarchicalStore:
         """Whether the policy uses future ids (:meth:`set_lookahead`), e.g. ``lookahead``."""
         return bool(self._dev.policy.wants_lookahead)
 
-    def set_lookahead(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
+    def set_lookahead(self, tables: torch.Tensor, ids: torch.Tensor, when: torch.Tensor | None = None) -> None:
         """The rows the next batches will use, for the next accounted placement only.
 
         A :class:`PrefetchPipeline` calls it before each prefetch (and each plain lookup
         of a batch whose prefetch was refused) with the ids of the ``window`` batches
-        after it; a policy with ``wants_lookahead`` then evicts other rows first.  A
-        no-op for other policies.
+        after it, and ``when``: how many batches ahead each id is used (int64, >= 1;
+        None: ids in order of use, one a batch).  A policy with ``wants_lookahead`` then
+        evicts the rows the window does not use first, then the one used furthest
+        ahead.  A no-op for other policies.
         """
         with self._lock:
             if self.wants_lookahead:
-                self._prefetches.set_soon(tables, ids)
+                self._prefetches.set_soon(tables, ids, when)
 
     def read_ahead(self, tables: torch.Tensor, ids: torch.Tensor, keep: int | None = None) -> int:
         """Read from LMDB the records of an upcoming batch's rows that are not resident,

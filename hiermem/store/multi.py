@@ -282,23 +282,37 @@ class Prefetches:
         self.soon: tuple[torch.Tensor, torch.Tensor] | None = None  # rows of the next batches (lookahead)
 
     # -- lookahead ----------------------------------------------------------------------
-    def set_soon(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
-        """The rows ``ids`` of ``tables`` (validated, deduplicated) as the next batches'."""
+    def set_soon(self, tables: torch.Tensor, ids: torch.Tensor, when: torch.Tensor | None = None) -> None:
+        """The rows ``ids`` of ``tables`` (validated) as the next batches': ``when[j]``
+        (int64 >= 1) how many batches ahead id ``j`` is used (None: its position + 1)."""
         t, k = self.multi.ids(tables, ids)
-        if k.numel():
-            b = self.multi.batch(t, k)
-            t, k = b.t, b.k
-        self.soon = (t, k)
+        if when is None:
+            when = torch.arange(1, k.numel() + 1, dtype=torch.int64)
+        else:
+            when = torch.as_tensor(when, dtype=torch.int64).reshape(-1)
+            if when.numel() != k.numel():
+                raise InvalidArgumentError(f"when has {when.numel()} entries for {k.numel()} ids")
+        self.soon = (t, k, when.clamp(min=1))
 
     def mark_soon(self) -> None:
-        """Tell the policies which resident rows the next batches use (then forget them)."""
-        t, k = self.soon
+        """Tell the policies which resident rows the next batches use, and how many batches
+        ahead each is next used (the soonest of its uses); then forget them."""
+        t, k, when = self.soon
         self.soon = None
-        g = self.res.keys.find(t, k)
         dev, host = self.res.tiers
         D = dev.capacity
-        dev.policy.on_lookahead(g[(g >= 0) & (g < D)])
-        host.policy.on_lookahead(g[g >= D] - D)
+        if k.numel() == 0:
+            dev.policy.on_lookahead(k, k)
+            host.policy.on_lookahead(k, k)
+            return
+        g = self.res.keys.find(t, k)
+        keep = g >= 0
+        g, when = g[keep], when[keep]
+        u, inv = torch.unique(g, return_inverse=True)
+        nxt = torch.full((u.numel(),), 1 << 40, dtype=torch.int64).scatter_reduce_(0, inv, when, "amin")
+        on_dev = u < D
+        dev.policy.on_lookahead(u[on_dev], nxt[on_dev])
+        host.policy.on_lookahead(u[~on_dev] - D, nxt[~on_dev])
 
     # -- pins -----------------------------------------------------------------------------
     def pin(self, p: Placement, delta: int) -> None:

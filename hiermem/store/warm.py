@@ -67,7 +67,7 @@ def _exercise(part: int | None = None) -> None:
             pk.access(pol.state, np.array([0], dtype=i64), np.array([9], dtype=i64), np.array([1], dtype=i64), False)
             pk.carry_in(pol.state, np.array([0], dtype=i64), np.array([9], dtype=i64), np.zeros(1),
                         np.ones(1, dtype=i64))
-            pk.lookahead_keys(pol.state, np.array([0], dtype=i64))
+            pk.lookahead_keys(pol.state, np.array([0], dtype=i64), np.array([1], dtype=i64))
             out = np.empty(2, dtype=i64)
             vk.victims(pol.state, dev.state[0], dev.state[3], dev.state[6], 1, 3, 4, out)
             vk.scan(pol.state, dev.state[0], dev.state[3], dev.state[6], 1, out)

@@ -20,7 +20,8 @@ single-tier cache of 2% and 10% of the trace's distinct rows:
   and its figures are None.
 * ``belady``: Belady's MIN per access (``hiermem.sim.bounds.belady_misses``).
 * ``lookahead``: the ``lookahead`` policy at batches of ``--batch`` (10) accesses, windows
-  0, 1, 2, 4, 8, 16, 32, 64 batches, over Belady's per-access hit rate.  It runs at
+  0, 1, 2, 4, 8, 16, 32, 64 batches, over Belady's per-access hit rate, over the base
+  ``--base`` (default ``s3fifo``; ``--bases`` adds window 16 over each base).  It runs at
   prefetch depth 0 where the installed simulator gives lookahead at depth 0 (a probe
   checks), else at depth 1; window 0 is "no lookahead": lookahead with window 0 at depth
   0 where supported, else plain ``lru`` at the same batches (the label says which).
@@ -76,7 +77,7 @@ WINDOWS = (0, 1, 2, 4, 8, 16, 32, 64)
 TARGET_WINDOW = 16
 TARGET_GAP_PTS = -0.3
 TARGET_LOOKAHEAD = 0.92
-LOOKAHEAD_BASES = ("lru", "lfu", "lfu_decay")
+LOOKAHEAD_BASES = ("lru", "lfu", "lfu_decay", "sieve", "s3fifo", "arc", "wtinylfu")
 #: libCacheSim algorithms that read the future (the trace's next-access field)
 LCS_ORACLES = ("Belady", "BeladySize")
 GAP_EXCLUDES = ["libCacheSim Belady", "libCacheSim BeladySize", "hiermem belady bound",
@@ -514,8 +515,8 @@ def main() -> int:
     ap.add_argument("--zipf-items", type=int, default=None, help="default by mode: 2k / 20k / 100k")
     ap.add_argument("--batch", type=int, default=10, help="accesses per batch of the lookahead runs")
     ap.add_argument("--windows", default=",".join(map(str, WINDOWS)), help="lookahead windows (batches)")
-    ap.add_argument("--base", default=None, help="lookahead's base policy (passed only if Lookahead takes it; "
-                    "default: its own default)")
+    ap.add_argument("--base", default="s3fifo", help="lookahead's base policy (passed only if Lookahead takes "
+                    "it; default s3fifo: the best worst case of the bases measured, see docs/performance.md)")
     ap.add_argument("--bases", default=None, help="also run window 16 with each of these bases, where taken "
                     f"(default: none in --quick/--tiny, {','.join(LOOKAHEAD_BASES)} in full)")
     ap.add_argument("--lcs-slow", type=float, default=30.0, help="skip a libCacheSim algorithm after a run this long (s)")

@@ -158,7 +158,7 @@ def test_modern_policies_match_libcachesim_per_access(tmp_path, zipf, frac):
                 assert ours_m == theirs_m, (name, cap, ours, ours_m, theirs_m)
 
 
-@pytest.mark.parametrize("base", ["lru", "lfu", "lfu_decay"])
+@pytest.mark.parametrize("base", ["lru", "lfu", "lfu_decay", "sieve", "s3fifo", "arc", "wtinylfu"])
 def test_lookahead_whole_trace_window_is_belady_and_window_zero_its_base(tmp_path, zipf, base):
     ids = zipf[:3000]
     tr = _trace(tmp_path, ids)
@@ -197,7 +197,8 @@ def test_queue_policies_skip_held_slots_and_recover_untaken_victims(name):
 @pytest.mark.parametrize("spec,err", [
     (("s3fifo", {"small": 1.5}), InvalidArgumentError), (("s3fifo", {"small": -0.1}), InvalidArgumentError),
     (("s3fifo", {"threshold": 3}), InvalidArgumentError), (("wtinylfu", {"window": 1.0}), InvalidArgumentError),
-    (("lookahead", {"base": "sieve"}), InvalidArgumentError), (("sieve", {"x": 1}), TypeError),
+    (("lookahead", {"base": "belady"}), InvalidArgumentError), (("sieve", {"x": 1}), TypeError),
+    (("lookahead", {"base": "sieve", "small": 0.2}), PolicyFileError),
 ])
 def test_bad_parameters_are_refused(spec, err):
     with pytest.raises(err):

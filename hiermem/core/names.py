@@ -57,8 +57,8 @@ FIRST_QUEUE = SIEVE
 # table (in hs: offsets, sizes, live counts); the frequency sketch (in hs)
 (Q_C, Q_HEAD, _Q_H1, _Q_H2, _Q_H3, Q_TAIL, _Q_T1, _Q_T2, _Q_T3, Q_SIZE, _Q_S1, _Q_S2, _Q_S3, Q_HAND, Q_P, Q_FLAG,
  Q_PRE, Q_EVICTED, Q_SMALL, Q_MAIN, Q_PROT, G_CAP, _G_CAP1, G_LO, _G_LO1, G_HI, _G_HI1, G_LIVE, _G_LIVE1, G_RSZ,
- G_TH, G_USED, G_RING, G_TABLE, K_OFF, K_W, K_ADDS, K_SAMPLE) = range(RM_SIZE, RM_SIZE + 38)
-Q_RMSIZE = RM_SIZE + 38
+ G_TH, G_USED, G_RING, G_TABLE, K_OFF, K_W, K_ADDS, K_SAMPLE, Q_LA) = range(RM_SIZE, RM_SIZE + 39)
+Q_RMSIZE = RM_SIZE + 39  # Q_LA: 1 when the policy is lookahead's base (next uses at hk[3C:4C])
 Q_NONE, Q_GONE = -1, 8  # qid of a slot in no queue; qid >= Q_GONE: taken as a victim (q + Q_GONE)
 
 # -- counters: table x tier x stat (hiermem.observe.stats.Counters.table) ---------------

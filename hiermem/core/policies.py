@@ -345,6 +345,15 @@ class QueuePolicy(EvictionPolicy):
         self.state = tuple(st)
         _qk.init_state(self.code, C, params, rm, hk, hs)
 
+    def on_lookahead(self, slots, next_use=None) -> None:
+        """Only as lookahead's base (``Lookahead(base=...)``): the rows in ``slots`` are
+        next used ``next_use`` batches ahead; the queues pass over them until no other
+        row is left, then the furthest goes first."""
+        if self.wants_lookahead:
+            s = as_array(slots)
+            nxt = np.ones(s.size, dtype=np.int64) if next_use is None else as_array(next_use)
+            _qk.lookahead_marks(self.state, s, nxt)
+
     @property
     def reservoir(self) -> bool:
         return False
@@ -359,6 +368,8 @@ class QueuePolicy(EvictionPolicy):
                        st[_names.P_HEAP_S])
         if self.code == _names.ARC:
             st[_names.P_PARAMS][1] = 0.0  # p
+        if self.wants_lookahead:  # lookahead's base
+            st[_names.P_RM][_names.Q_LA] = 1
 
     def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
         """``n`` slots to evict, in the order the policy evicts them, among the slots of
@@ -471,14 +482,15 @@ class WTinyLFU(QueuePolicy):
         return [{"window": f} for f in (0.01, 0.10)]
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu", window: float = 0.01):
-        self.window = _ratio("window", window, 0.0, 1.0)
-        super().__init__(capacity, device, window=self.window)
+        self.window_share = _ratio("window", window, 0.0, 1.0)
+        super().__init__(capacity, device, window=self.window_share)
 
     def _params(self) -> list[float]:
-        return [float(self.code), self.window, 0.0, 0.0]
+        return [float(self.code), self.window_share, 0.0, 0.0]
 
 
 _LOOKAHEAD_BASES = {"lru": _names.LRU, "lfu": _names.LFU, "lfu_decay": _names.LFU_DECAY}
+_QUEUE_BASES = ("sieve", "s3fifo", "arc", "wtinylfu")
 
 
 @register_policy
@@ -496,9 +508,27 @@ class Lookahead(EvictionPolicy):
 
     Args:
         window: batches to look ahead; 0 means the prefetch depth of the run.
-        base: the order outside the window: ``"lru"``, ``"lfu"`` or ``"lfu_decay"``.
+        base: the order outside the window: ``"lru"``, ``"lfu"``, ``"lfu_decay"`` (keys:
+            the window's rows get keys above every base key), or a queue policy,
+            ``"sieve"``, ``"s3fifo"``, ``"arc"``, ``"wtinylfu"`` (with its defaults: its
+            queues pass over the window's rows until no other row is left; then the
+            furthest next use goes first).  Built as that policy with lookahead on.
         half_life, admit: ``lfu_decay``'s, when it is the base.
     """
+
+    def __new__(cls, capacity: int, device: torch.device | str = "cpu", window: int = 0, base: str = "lru",
+                **params: Any):
+        if base not in _QUEUE_BASES:
+            return super().__new__(cls)
+        if params:
+            raise PolicyFileError(f"lookahead over {base!r} takes no parameters {sorted(params)} (its defaults)")
+        pol = POLICIES[base](capacity, device)
+        pol.wants_lookahead = True
+        pol.window = int(_number("window", window, 0, integer=True))
+        pol.base = base
+        pol.name = cls.name
+        pol.state[_names.P_RM][_names.Q_LA] = 1
+        return pol
 
     name = "lookahead"
     code = _pk.LOOKAHEAD
@@ -515,7 +545,8 @@ class Lookahead(EvictionPolicy):
                  half_life: float = 100_000.0, admit: int = 1):
         self.window = int(_number("window", window, 0, integer=True))
         if base not in _LOOKAHEAD_BASES:
-            raise InvalidArgumentError(f"base must be one of {sorted(_LOOKAHEAD_BASES)}, got {base!r}")
+            raise InvalidArgumentError(f"base must be one of {sorted(_LOOKAHEAD_BASES) + list(_QUEUE_BASES)}, "
+                                       f"got {base!r}")
         self.base = base
         self.half_life = float(_number("half_life", half_life, 1e-9))
         self.admit = int(_number("admit", admit, 1, integer=True))

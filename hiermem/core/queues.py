@@ -59,7 +59,7 @@ import numpy as np
 
 from .jit import helper, kernel, tiny
 from .names import (ARC, FIRST_QUEUE, G_CAP, G_HI, G_LIVE, G_LO, G_RING, G_RSZ, G_TABLE, G_TH, G_USED, K_ADDS, K_OFF,
-                    K_SAMPLE, K_W, PARAM_CODE, Q_C, Q_EVICTED, Q_FLAG, Q_GONE, Q_HAND, Q_HEAD, Q_MAIN, Q_NONE, Q_P,
+                    K_SAMPLE, K_W, PARAM_CODE, Q_LA, Q_C, Q_EVICTED, Q_FLAG, Q_GONE, Q_HAND, Q_HEAD, Q_MAIN, Q_NONE, Q_P,
                     Q_PRE, Q_PROT, Q_RMSIZE, Q_SIZE, Q_SMALL, Q_TAIL, S3FIFO, SIEVE, WTINYLFU)
 
 _U = np.uint64
@@ -96,7 +96,7 @@ def layout(code: int, capacity: int, params: dict) -> tuple[int, int]:
     while th < 4 * (g0 + g1) + 64:
         th *= 2
     kw = sketch_width(code, C)
-    return 3 * C, 2 * rsz + 2 * th + 4 * kw
+    return 4 * C, 2 * rsz + 2 * th + 4 * kw
 
 
 def ghost_caps(code: int, C: int, params: dict) -> tuple[int, int]:
@@ -149,6 +149,8 @@ def init_state(code: int, capacity: int, params: dict, rm: np.ndarray, hk: np.nd
     rm[K_ADDS] = 0
     rm[K_SAMPLE] = 32 * max(1, int(rm[Q_MAIN]))
     hk[2 * C:3 * C] = Q_NONE
+    hk[3 * C:4 * C] = 0
+    rm[Q_LA] = 0
     hs[:] = 0
 
 
@@ -212,8 +214,8 @@ def _avail_from(rm, hk, s, keys_t, pins, mark):
         nw = hk[s]
         if keys_t[s] < 0:
             _unlink(rm, hk, s)
-        elif pins[s] == 0 and mark[s] == 0:
-            return s
+        elif pins[s] == 0 and mark[s] == 0 and (rm[Q_LA] == 0 or hk[3 * rm[Q_C] + s] == 0):
+            return s  # (lookahead over this policy: rows the window uses are passed over)
         s = nw
     return -1
 
@@ -445,6 +447,7 @@ def access(params, code, key, score, uses, rm, hk, hs, s, clock, count, insert):
     key[s] = clock
     q = _qid(rm, hk, s)
     if insert:
+        hk[3 * rm[Q_C] + s] = 0
         if q >= 0 and q < Q_GONE:  # the node of the slot's last row
             _unlink(rm, hk, s)
         hk[2 * rm[Q_C] + s] = Q_NONE
@@ -459,6 +462,7 @@ def access(params, code, key, score, uses, rm, hk, hs, s, clock, count, insert):
 @helper
 def carry(params, code, score, uses, rm, hk, hs, s):
     """A row moved into slot ``s`` from the other tier (its score and hash came along)."""
+    hk[3 * rm[Q_C] + s] = 0
     q = _qid(rm, hk, s)
     if q >= 0 and q < Q_GONE:
         _unlink(rm, hk, s)
@@ -643,6 +647,39 @@ def _relink(params, code, score, uses, rm, hk, hs, keys_t, mark):
 
 
 @helper
+def _window_victims(rm, hk, keys_t, pins, mark, n, out, got):
+    """Lookahead over a queue policy, when only rows the window uses are left: the one
+    used furthest ahead first (ties: the lower slot), by a pass each."""
+    C = rm[Q_C]
+    while got < n:
+        best = np.int64(-1)
+        for s in range(min(C, keys_t.size)):
+            q = hk[2 * C + s]
+            nx = hk[3 * C + s]
+            if nx > 0 and q >= 0 and q < Q_GONE and keys_t[s] >= 0 and pins[s] == 0 and mark[s] == 0:
+                if best < 0 or nx > hk[3 * C + best]:
+                    best = s
+        if best < 0:
+            break
+        _take(rm, hk, best)
+        out[got] = best
+        got += 1
+    return got
+
+
+@kernel
+def lookahead_marks(pol, slots, nxt):
+    """Lookahead over a queue policy: the rows in ``slots`` are next used ``nxt`` batches
+    ahead (this set replaces the last)."""
+    rm, hk = pol[4], pol[7]
+    C = rm[Q_C]
+    for s in range(C):
+        hk[3 * C + s] = 0
+    for i in range(slots.size):
+        hk[3 * C + slots[i]] = max(nxt[i], 1)
+
+
+@helper
 def victims(params, score, uses, rm, hk, hs, keys_t, pins, mark, n, out):
     """``out[:n]``: ``n`` victims in the order the policy evicts them; returns how many
     were found (fewer when fewer are evictable)."""
@@ -655,6 +692,8 @@ def victims(params, score, uses, rm, hk, hs, keys_t, pins, mark, n, out):
                 break
             out[got] = s
             got += 1
+        if rm[Q_LA] != 0:  # every other row is gone: the window's, the furthest next use first
+            got = _window_victims(rm, hk, keys_t, pins, mark, n, out, got)
         if got == n or attempt == 1:
             break
         for j in range(got):

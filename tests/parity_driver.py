@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hiermem.core.names import RM_SIZE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hiermem.core import plan as P  # noqa: E402
@@ -36,8 +38,8 @@ def run(policy: str, seed: int) -> dict:
     ix = KeyIndex(D + H, [None, None] if seed % 2 else [3000, 3000])
     dev = SlotTier(Tier.DEVICE, D, 0, "cpu", spec, base=0)
     host = SlotTier(Tier.HOST, H, 0, "cpu", spec, base=D)
-    for tier in (dev, host):  # small tiers: make the reservoir answer anyway
-        tier.policy.state[4][:] = 0
+    for tier in (dev, host):  # small tiers: make the reservoir answer anyway (its fields only: a queue
+        tier.policy.state[4][:RM_SIZE] = 0  # policy's lists live past them)
     counters = np.zeros((T, 3, 5), dtype=np.int64)
     h = hashlib.sha256()
     clock = 0

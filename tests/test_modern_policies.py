@@ -120,12 +120,13 @@ def test_sieve_and_s3fifo_equal_their_references(tmp_path, zipf, cap):
 
 
 def _oracle_file(path, ids):
-    nxt = next_use(ids)
-    rec = np.zeros(ids.size, dtype=np.dtype([("t", "<u4"), ("id", "<u8"), ("sz", "<u4"), ("nx", "<i8")]))
-    rec["t"], rec["id"], rec["sz"] = np.arange(ids.size), ids + 1, 1
-    rec["nx"] = np.where(nxt < ids.size, nxt, -1)
-    rec.tofile(path)
-    return str(path)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_policy import oracle_file  # one writer of libCacheSim's oracleGeneral format
+
+    return str(oracle_file(path, ids))
 
 
 @pytest.mark.parametrize("frac", [0.02, 0.10])

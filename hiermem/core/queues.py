@@ -90,13 +90,18 @@ def is_queue(code: int) -> bool:
 def layout(code: int, capacity: int, params: dict) -> tuple[int, int]:
     """Sizes of ``hk`` and ``hs`` (int64) for a queue policy of ``capacity`` slots."""
     C = max(1, int(capacity))
+    _, _, rsz, th = _ghost_layout(code, C, params)
+    return 4 * C, 2 * rsz + 2 * th + 4 * sketch_width(code, C)
+
+
+def _ghost_layout(code: int, C: int, params: dict) -> tuple[int, int, int, int]:
+    """The ghosts' capacities, ring size and hash-table size (a power of two, at most
+    half full)."""
     g0, g1 = ghost_caps(code, C, params)
-    rsz = 2 * max(g0, g1) + 64
     th = 64
     while th < 4 * (g0 + g1) + 64:
         th *= 2
-    kw = sketch_width(code, C)
-    return 4 * C, 2 * rsz + 2 * th + 4 * kw
+    return g0, g1, 2 * max(g0, g1) + 64, th
 
 
 def ghost_caps(code: int, C: int, params: dict) -> tuple[int, int]:
@@ -135,11 +140,7 @@ def init_state(code: int, capacity: int, params: dict, rm: np.ndarray, hk: np.nd
         main = C - rm[Q_SMALL]
         rm[Q_MAIN] = main
         rm[Q_PROT] = int(4.0 / 5.0 * main)  # SLRU: protected holds at most 4/5 of main
-    g0, g1 = ghost_caps(code, C, params)
-    rsz = 2 * max(g0, g1) + 64
-    th = 64
-    while th < 4 * (g0 + g1) + 64:
-        th *= 2
+    g0, g1, rsz, th = _ghost_layout(code, C, params)
     rm[G_CAP], rm[G_CAP + 1] = g0, g1
     rm[G_LO] = rm[G_LO + 1] = rm[G_HI] = rm[G_HI + 1] = 0
     rm[G_LIVE] = rm[G_LIVE + 1] = 0

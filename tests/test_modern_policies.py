@@ -20,7 +20,7 @@ from hiermem.core.policies import POLICIES, PolicySpec
 from hiermem.errors import InvalidArgumentError, PolicyFileError
 from hiermem.nn.data import ZipfIds
 from hiermem.sim import SimConfig, load_trace, simulate, write_trace
-from hiermem.sim.bounds import belady_misses, dense_ids, next_use
+from hiermem.sim.bounds import belady_misses, dense_ids
 
 MODERN = ("sieve", "s3fifo", "arc", "wtinylfu")
 

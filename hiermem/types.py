@@ -7,8 +7,8 @@ import math
 import numbers
 import os
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar, Optional, Union
 
 from .errors import InvalidArgumentError, InvalidTypeError
 
@@ -103,10 +103,12 @@ class StoreConfig:
             None (the default): the policy file's ``device_rows``, else 10,000.
         host_rows: slots in the host tier (pinned host memory when CUDA is present).
             None (the default): the policy file's ``host_rows``, else 100,000.
-        policy: ``"lru"``, ``"lfu"``, or the path of a policy TOML file.  A file's
-            ``device_rows``, ``host_rows`` and ``prefetch_depth`` apply where those
-            arguments are None; an explicit argument wins.  The config holds the
-            effective values (the store records them in its metadata).
+        policy: a registered policy name (``"lru"``, ``"lfu"``, ...) or the path of a
+            policy TOML file.  A file's ``device_rows``, ``host_rows`` and
+            ``prefetch_depth`` apply where those arguments are None; an explicit
+            argument wins.  A config is a value and reads no file: with a policy file
+            those three stay None until :meth:`resolved` reads it (the store does, when
+            it opens, and records the effective values in its metadata).
         optimizer: the row optimizer applied by ``update`` (default ``SGD(lr=0.01)``).
         seed: seed of the per-row initialiser.
         map_size: initial LMDB map size in bytes; it grows automatically when full.
@@ -171,20 +173,46 @@ class StoreConfig:
     trace_path: Optional[Union[str, os.PathLike]] = None
     prefetch_depth: Optional[int] = None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.policy, (str, os.PathLike)):
-            raise InvalidTypeError("policy must be a name or a path")
+    #: the sizes and depth where neither the argument nor a policy file gives them
+    DEFAULTS: ClassVar[tuple[tuple[str, int], ...]] = (("device_rows", 10_000), ("host_rows", 100_000),
+                                                       ("prefetch_depth", 2))
+
+    @property
+    def policy_file(self) -> bool:
+        """Whether ``policy`` names a policy file (anything not a registered name; no I/O)."""
+        from .core.policies import POLICIES
+
+        return os.fspath(self.policy) not in POLICIES
+
+    def resolved(self) -> "StoreConfig":
+        """This config with a policy file's sizes and depth filled in where they are None
+        (the defaults where the file has none); ``self`` when nothing is left to read.
+
+        Raises:
+            PolicyFileError: unreadable file, unknown policy, or a bad size (by key).
+        """
+        missing = [n for n, _ in self.DEFAULTS if getattr(self, n) is None]
+        if not missing:
+            return self
         from .core.policies import policy_settings
 
         from_file = policy_settings(self.policy)
-        for name, default in (("device_rows", 10_000), ("host_rows", 100_000), ("prefetch_depth", 2)):
-            if getattr(self, name) is None:  # the policy file's value, else the default
-                object.__setattr__(self, name, from_file.get(name, default))
+        return replace(self, **{n: from_file.get(n, d) for n, d in self.DEFAULTS if n in missing})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, (str, os.PathLike)):
+            raise InvalidTypeError("policy must be a name or a path")
+        if not self.policy_file:  # a name: no file to read, the defaults apply now
+            for name, default in self.DEFAULTS:
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, default)
         d = self.prefetch_depth
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
             raise InvalidArgumentError(f"prefetch_depth must be an int >= 0, got {d!r}")
         for name in ("device_rows", "host_rows"):
             v = getattr(self, name)
+            if v is None:  # a policy file's, read by resolved()
+                continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise InvalidTypeError(f"{name} must be an int, got {type(v).__name__}")
             if v <= 0:

@@ -265,9 +265,9 @@ def policy(tmp_path, text, name="tuned.toml"):
 
 def test_policy_file_sizes_and_depth_apply_and_explicit_arguments_win(tmp_path):
     pf = policy(tmp_path, "device_rows = 16\nhost_rows = 48\nprefetch_depth = 3\n")
-    c = hm.StoreConfig(path=tmp_path / "s", policy=pf)
+    c = hm.StoreConfig(path=tmp_path / "s", policy=pf).resolved()  # a config reads no file itself
     assert (c.device_rows, c.host_rows, c.prefetch_depth) == (16, 48, 3)
-    c = hm.StoreConfig(path=tmp_path / "s", policy=pf, device_rows=9, prefetch_depth=1)
+    c = hm.StoreConfig(path=tmp_path / "s", policy=pf, device_rows=9, prefetch_depth=1).resolved()
     assert (c.device_rows, c.host_rows, c.prefetch_depth) == (9, 48, 1)
     c = hm.StoreConfig(path=tmp_path / "s")
     assert (c.device_rows, c.host_rows, c.prefetch_depth) == (10_000, 100_000, 2)
@@ -293,7 +293,7 @@ def test_policy_file_sizes_and_depth_apply_and_explicit_arguments_win(tmp_path):
 def test_bad_policy_sizes_are_refused_by_name(tmp_path, text, key):
     pf = policy(tmp_path, text)
     with pytest.raises(hm.PolicyFileError) as ei:
-        hm.StoreConfig(path=tmp_path / "s", policy=pf)
+        hm.StoreConfig(path=tmp_path / "s", policy=pf).resolved()
     assert key in str(ei.value) and pf in str(ei.value)
     assert not (tmp_path / "s").exists()
 
@@ -385,3 +385,20 @@ def test_an_unopenable_lock_file_is_a_typed_error(tmp_path):
             locks.take(d, "y.lock", True, "busy")
     finally:
         os.close(fd)
+
+
+def test_a_config_reads_no_file_until_resolved(tmp_path):
+    """StoreConfig is a value: naming a policy file reads nothing (a missing file is not
+    noticed) until resolved(), which the store calls when it opens."""
+    pf = str(tmp_path / "later.toml")
+    c = hm.StoreConfig(path=tmp_path / "s", policy=pf)
+    assert (c.device_rows, c.host_rows, c.prefetch_depth) == (None, None, None) and c.policy_file
+    with pytest.raises(hm.PolicyFileError):
+        c.resolved()
+    with pytest.raises(hm.PolicyFileError):
+        hm.HierarchicalStore(TABLES, c)
+    assert not (tmp_path / "s").exists()
+    policy(tmp_path, "device_rows = 12\n", "later.toml")
+    assert c.resolved().device_rows == 12 and c.resolved().host_rows == 100_000
+    d = hm.StoreConfig(path=tmp_path / "s", policy="lfu")
+    assert not d.policy_file and d.resolved() is d and d.device_rows == 10_000

@@ -154,3 +154,22 @@ def test_sim_reproduces_a_real_prefetch_pipeline(tmp_path, policy, depth, D, H):
         if k not in (IO.FLUSHES, IO.FLUSHED_ROWS, IO.LATE_PREFETCHES):
             assert int(res.counters.io[k]) == int(io[k]), k.name
     assert int(io[IO.PREFETCHED_BATCHES]) > 0
+
+
+def test_prefetch_order_is_the_pipelines_rule():
+    """P(0..k-1); per batch L(i), P(i+k) at once when batch i is pinned, else after R(i)."""
+    from hiermem.store.multi import prefetch_now, prefetch_order
+
+    class T:
+        def __init__(self, pinned):
+            self.pinned = pinned
+
+    tickets = {0: T(True), 1: T(False), 2: T(True), 3: None}
+    got = list(prefetch_order(4, 2, tickets.get))
+    assert got == [("P", 0), ("P", 1),
+                   ("L", 0), ("P", 2), ("U", 0), ("R", 0),
+                   ("L", 1), ("U", 1), ("R", 1), ("P", 3),
+                   ("L", 2), ("U", 2), ("R", 2),
+                   ("L", 3), ("U", 3), ("R", 3)]
+    assert prefetch_now(T(True)) and not prefetch_now(T(False)) and not prefetch_now(None)
+    assert list(prefetch_order(1, 3, tickets.get)) == [("P", 0), ("L", 0), ("U", 0), ("R", 0)]

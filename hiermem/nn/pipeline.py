@@ -1,8 +1,10 @@
 """PrefetchPipeline: read a data loader ahead and bring upcoming batches' rows up the hierarchy.
 
-With depth ``k`` the store sees, in this order (the same order the simulator replays):
-``P(0) .. P(k-1)``, then per step ``i``: ``L(i)``, ``P(i+k)``, ``U(i)``, ``R(i)`` —
-prefetch-and-pin, lookup, fused update, unpin.  ``P(i+k)`` runs on a background thread
+With depth ``k`` the store sees, in this order (:func:`hiermem.store.multi.prefetch_order`,
+which the simulator replays; the rule :func:`~hiermem.store.multi.prefetch_now` is the one
+both follow): ``P(0) .. P(k-1)``, then per step ``i``: ``L(i)``, ``P(i+k)``, ``U(i)``,
+``R(i)`` — prefetch-and-pin, lookup, fused update, unpin (``P(i+k)`` after ``R(i)`` when
+batch ``i`` was not pinned).  ``P(i+k)`` runs on a background thread
 while step ``i`` computes its dense layers (on a side CUDA stream when the device is a
 GPU; the host tier is pinned memory then), and ``L(i+1)`` waits for the thread to be
 idle, so every store operation happens in one fixed order and a run is deterministic
@@ -57,7 +59,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from ..store.multi import Ticket
+from ..store.multi import Ticket, prefetch_now
 from ..errors import HierMemError, InvalidArgumentError
 from .features import SparseFeatures
 from ..store.overlap import can_overlap
@@ -327,7 +329,7 @@ class _Handle:
         self.looked = True
         # a pinned batch cannot lose its rows to the next prefetch: start it now, while
         # this step computes; an unpinned one would, so its successor waits for release
-        if self.next is not None and self.result is not None and self.result.pinned:
+        if self.next is not None and prefetch_now(self.result):
             self.pipe._submit(self.next)
 
     def release(self) -> None:
@@ -449,7 +451,7 @@ class PrefetchPipeline:
             self._initial.append(h)
         else:  # batch j is prefetched right after the lookup of batch j - depth
             prev = self._recent[0]
-            if prev.looked or prev.released:
+            if prev.released or (prev.looked and prefetch_now(prev.result)):
                 self._submit(h)
             else:
                 prev.next = h

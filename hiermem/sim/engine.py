@@ -59,7 +59,7 @@ from ..types import Tier
 from .cost import CostModel, StepTime
 from ..observe.trace import Trace, load_trace
 from ..store.hierarchical import HierarchicalStore
-from ..store.multi import Prefetches, Ticket
+from ..store.multi import Prefetches, Ticket, prefetch_order
 from ..store.placed import Batch, Placement
 from ..store.placing import Workspace, WrittenRows, placed_at, placement
 from ..store.warm import ensure_compiled
@@ -429,33 +429,28 @@ class Simulator:
         return self._prefetches.prefetch(b if b.n else None, None, None, partial(self._place, j))
 
     def _run_prefetch(self, depth: int) -> None:
-        """The pipeline's order: P(0..k-1); per step L(i), P(i+k), U(i), R(i) — or, when
-        batch i is not pinned at its lookup, L(i), U(i), R(i), P(i+k) (its rows could be
-        moved by the next prefetch, so that prefetch waits for its update).  L, U and R
-        are the store's (``lookup_bags``'s placement, ``update_bags``'s, ``release``)."""
-        n, pf = self.b.n, self._prefetches
-        live: dict[int, Ticket] = {}
-        for j in range(min(depth, n)):
-            live[j] = self._prefetch(j)
-        for i in range(n):
-            tk = live.pop(i)
+        """The pipeline's order (:func:`~hiermem.store.multi.prefetch_order`, the rule the
+        pipeline's threads follow) over the store's own steps: P is ``prefetch``, L
+        ``lookup_bags``'s placement, U ``update_bags``'s, R ``release``."""
+        pf, live, step = self._prefetches, {}, {}
+        for op, i in prefetch_order(self.b.n, depth, lambda i: live[i]):
+            if op == "P":
+                live[i] = self._prefetch(i)
+                continue
+            tk = live[i]
             b, place = tk.batch, partial(self._place, i)
-            if tk.ids:  # L: pinned rows where they are; else placed (revoking the pins if need be)
-                p = pf.place_batch(b, tk, None, place)
-                epoch = self._epoch
-            pinned = tk.pinned
-            if pinned and i + depth < n:
-                live[i + depth] = self._prefetch(i + depth)
-            if tk.ids:  # U: the lookup's placement unless rows moved since (then re-placed)
+            if op == "L" and tk.ids:  # pinned rows where they are; else placed (revoking the pins if need be)
+                step[i] = (pf.place_batch(b, tk, None, place), self._epoch)
+            elif op == "U" and tk.ids:  # the lookup's placement unless rows moved since (then re-placed)
+                p, epoch = step.pop(i)
                 if tk.pinned:
                     p = self._tiers.locate(b)
                 elif self._epoch != epoch:
                     p = pf.retry(lambda: place(b, account=False))
                 self._update(p)
-            tk.released = True  # R
-            pf.release(tk)
-            if not pinned and i + depth < n:
-                live[i + depth] = self._prefetch(i + depth)
+            elif op == "R":
+                tk.released = True
+                pf.release(live.pop(i))
 
     def run(self) -> SimResult:
         """Replay the whole trace once.

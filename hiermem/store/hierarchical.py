@@ -65,6 +65,7 @@ class HierarchicalStore:
     def __init__(self, tables: Sequence[TableSpec], config: StoreConfig,
                  row_init: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         tables = validate.check_store_args(tables, config)
+        config = config.resolved()  # a policy file's sizes and depth (the one read of it)
         self._row_init = row_init if row_init is not None else self._initial_records
         warm.ensure_compiled(store_class=HierarchicalStore)  # the first store compiles the kernels, once
         self.config = config

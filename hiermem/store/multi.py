@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +62,35 @@ class Ticket:
 
     def __len__(self) -> int:
         return self.k.numel()
+
+
+def prefetch_now(ticket: "Ticket | None") -> bool:
+    """Whether the prefetch of batch ``i + depth`` starts right after batch ``i``'s lookup
+    (True: its rows were pinned at the lookup, so no prefetch can move them before its
+    update) or only after batch ``i``'s release (False).  The one rule of the prefetch
+    order, for the pipeline's threads (:mod:`hiermem.nn.pipeline`) and the simulator's
+    single-threaded replay (:func:`prefetch_order`) alike."""
+    return ticket is not None and ticket.pinned
+
+
+def prefetch_order(n: int, depth: int, ticket_of: Callable[[int], "Ticket | None"]
+                   ) -> Iterator[tuple[str, int]]:
+    """The prefetch pipeline's order over ``n`` batches at ``depth``, one step at a time:
+    ``("P", j)`` prefetch batch j, ``("L", i)`` its lookup, ``("U", i)`` its update,
+    ``("R", i)`` its release.  P(0..depth-1) first; per batch i: L(i), then P(i+depth)
+    where :func:`prefetch_now` says so, U(i), R(i), else P(i+depth) after R(i).
+    ``ticket_of(i)`` is read after L(i) is yielded (the prefetch's ticket then)."""
+    for j in range(min(depth, n)):
+        yield "P", j
+    for i in range(n):
+        yield "L", i
+        now = prefetch_now(ticket_of(i))
+        if now and i + depth < n:
+            yield "P", i + depth
+        yield "U", i
+        yield "R", i
+        if not now and i + depth < n:
+            yield "P", i + depth
 
 
 @dataclass

@@ -61,7 +61,8 @@ from ..observe.trace import Trace, load_trace
 from ..store.hierarchical import HierarchicalStore
 from ..store.multi import Prefetches, Ticket, prefetch_order
 from ..store.placed import Batch, Placement
-from ..store.placing import Workspace, WrittenRows, placed_at, placement
+from ..store.placing import Workspace, WrittenRows, placement
+from ..store.residency import locate, tier_parts
 from ..store.warm import ensure_compiled
 
 _CPU = torch.device("cpu")
@@ -269,19 +270,10 @@ class _Tiers:
 
     def parts(self, p: Placement) -> list:
         """``(tier, slots, idx, cpu slots)`` per tier holding rows of ``p`` (all on the CPU)."""
-        if p.on_device is None:
-            return [(self.dev, p.slot, None, p.slot)]
-        out = []
-        for tier, mask in ((self.dev, p.on_device), (self.host, ~p.on_device)):
-            idx = mask.nonzero().squeeze(1)
-            if idx.numel():
-                cs = p.slot.index_select(0, idx)
-                out.append((tier, cs, idx, cs))
-        return out
+        return tier_parts(self.dev, self.host, p, _CPU)
 
     def locate(self, b: Batch) -> Placement | None:
-        g = self.keys.find(b.t, b.k)
-        return None if bool((g < 0).any()) else placed_at(g, self.dev.capacity)
+        return locate(self.keys, self.dev.capacity, b)
 
 
 class Simulator:

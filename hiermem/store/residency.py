@@ -29,13 +29,39 @@ from ..core import plan as _plan
 from ..core.index import make_index
 from ..dataplane import DataPlane
 from ..dataplane.staging import to_host
-from ..errors import CapacityError, HierMemError
+from ..errors import HierMemError
 from ..core.policies import PolicySpec
 from .staged import StagedPath
 from ..observe.stats import IO, Counters
 from ..tiers import DiskTier, HostTier, SlotTier
 from ..tiers.slots import Rows, by_table, by_tier, table_groups
 from ..types import StoreConfig, TableSpec, Tier
+
+
+def tier_parts(dev, host, p: Placement, device: torch.device, settle_host=None) -> list:
+    """``(tier, slots, idx, cpu_slots)`` per tier (``dev``, ``host``) holding rows of a
+    placement ``p`` given by ``p.on_device`` (``slots`` on the tier's device, ``idx`` the
+    batch's rows there, on ``device``); ``settle_host`` runs before host slots are named
+    (the store's pending host writes).  The store's and the simulator's (all CPU)."""
+    if p.on_device is None:
+        return [(dev, p.slot, None, p.slot)]
+    out = []
+    for tier, mask in ((dev, p.on_device), (host, ~p.on_device)):
+        idx = mask.nonzero().squeeze(1)
+        if idx.numel():
+            if tier is host and settle_host is not None:
+                settle_host()
+            cs = p.slot.index_select(0, idx)
+            out.append((tier, cs.to(tier.device), idx.to(device), cs))
+    return out
+
+
+def locate(keys, dev_capacity: int, b) -> Placement | None:
+    """Placement of a batch's rows where they are (None if one is in neither slot tier)."""
+    g = keys.find(b.t, b.k)  # CPU: no device sync
+    if bool((g < 0).any()):
+        return None
+    return placed_at(g, dev_capacity)
 
 
 class Residency:
@@ -245,14 +271,7 @@ class Residency:
                 self.staged.settle_host()
                 out.append((self.host, d.host_slot, d.host_idx, d.host_slot))
             return out
-        for tier, mask in ((self.dev, p.on_device), (self.host, ~p.on_device)):
-            idx = mask.nonzero().squeeze(1)
-            if idx.numel():
-                if tier is self.host:
-                    self.staged.settle_host()
-                cs = p.slot.index_select(0, idx)
-                out.append((tier, cs.to(tier.device), idx.to(self.device), cs))
-        return out
+        return tier_parts(self.dev, self.host, p, self.device, self.staged.settle_host)
 
     def scatter(self, p: Placement, rec: torch.Tensor) -> None:
         """Write records ``[U, w]`` back to the placement's slots and mark them dirty."""
@@ -285,10 +304,7 @@ class Residency:
 
     def locate(self, b):
         """Placement of resident rows without moving anything (None if one is not resident)."""
-        g = self.keys.find(b.t, b.k)  # CPU: no device sync
-        if bool((g < 0).any()):
-            return None
-        return self._placed_at(g)
+        return locate(self.keys, self.dev.capacity, b)
 
     def _placed_at(self, g: torch.Tensor) -> Placement:
         """The placement of resident rows at global slots ``g`` (all ``>= 0``)."""

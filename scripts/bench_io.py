@@ -31,6 +31,10 @@ before of the format change: ``*_raw_v2_over_v1``.  Store, raw loop and version-
 loop each have an environment of their own with the same rows, opened as the store opens
 its own (flags, preallocated ``writemap`` map).
 
+The same step's rows read and committed through the disk tier's I/O process, request to
+reply, by its C build (``hiermem/tiers/lmdb_server.c``) and its Python one, on the
+store's environment: ``read_proc_c_over_py``, ``write_proc_c_over_py``.
+
     python scripts/bench_io.py [--quick] [--per-row-only]
 """
 
@@ -51,7 +55,7 @@ import numpy as np
 import lmdb
 
 from hiermem.tiers.disk import DiskTier, key_list, value_list
-from hiermem.tiers import lmdb_process
+from hiermem.tiers import lmdb_process, native
 from hiermem.tiers.records import encode_keys_v1
 
 W = 16
@@ -166,14 +170,27 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
     once a step, so each one's pages age alike."""
     d = DiskTier(path / "store", create=True, sync=False, writemap=None, tables=TABLES)  # the store's defaults
     raws = {2: raw_tier(path / "raw", 2), 1: raw_tier(path / "raw-v1", 1)}
+    procs = {}
     try:
         per = rows // TABLES
         _fill(d, raws, per)
+        # the disk tier's I/O processes on the store's environment: the C one (where it
+        # builds) and the Python one, each reading and committing the step's rows itself
+        for name, server in (("c", "native"), ("py", "python")):
+            os.environ[native.ENV] = server
+            try:
+                procs[name] = lmdb_process.LmdbProcess(path / "store", d.map_size, write=True, sync=False,
+                                                       writemap=d.writemap, max_dbs=TABLES + 4)
+            except native.NativeServerError as e:
+                print(f"bench_io: no C I/O process: {e}", file=sys.stderr)
+        os.environ.pop(native.ENV, None)
+        meta_raw = json.dumps({"bench": True}).encode()
         (tier2, dbs2), (tier1, dbs1) = raws[2], raws[1]
         meta = {"tables": [{"name": f"t{t}", "num_rows": per, "dim": WIDTHS[t % len(WIDTHS)]} for t in range(TABLES)],
                 "seed": 0}
         rng = np.random.default_rng(2)
         names = ("read_store", "read_raw", "read_raw_v1", "write_store", "write_raw", "write_raw_v1", "convert")
+        names += tuple(f"{op}_proc_{p}" for p in procs for op in ("read", "write"))
         times = {k: [] for k in names}
         for r in range(-2, reps):  # two untimed rounds first (pages, the map's size)
             groups = step_rows(rng, rows, n)
@@ -190,6 +207,9 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
                    "write_raw": lambda: raw_write(tier2, dbs2, items),
                    "write_raw_v1": lambda: raw_write(tier1, dbs1, items1),
                    "convert": lambda: [(key_list(ids), value_list(rec)) for _, ids, rec in recs]}
+            for name, p in procs.items():
+                ops[f"read_proc_{name}"] = lambda p=p: p.read([(t, ids, WIDTHS[t % len(WIDTHS)]) for t, ids in groups])
+                ops[f"write_proc_{name}"] = lambda p=p: p.write(recs, meta_raw)
             order = list(ops) if r % 2 else list(reversed(ops))
             for k in order:
                 t0 = time.perf_counter()
@@ -197,6 +217,8 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
                 if r >= 0:
                     times[k].append((time.perf_counter() - t0) / m * 1e6)
     finally:
+        for p in procs.values():
+            p.close()
         d.close()
         for tier, _ in raws.values():
             tier.close()
@@ -212,6 +234,8 @@ def per_row_costs(path: Path, rows: int, n: int, reps: int) -> dict:
             "write_raw_v2_over_v1": ratio("write_raw", "write_raw_v1"),
             "read_store_over_raw_v1": ratio("read_store", "read_raw_v1"),
             "write_store_over_raw_v1": ratio("write_store", "write_raw_v1"),
+            **({"read_proc_c_over_py": ratio("read_proc_c", "read_proc_py"),
+                "write_proc_c_over_py": ratio("write_proc_c", "write_proc_py")} if "c" in procs else {}),
             "rows_per_step": m, "writemap": d.writemap, "reps": reps}
 
 
@@ -276,6 +300,11 @@ def main(argv=None) -> int:
               f"   raw now/format 1 x{c['raw_v2_over_v1']:.2f}", file=sys.stderr)
     print(f"  the store's key and value objects (py-lmdb's input): {cost['convert_us_per_row']:.3f} us/row",
           file=sys.stderr)
+    for op in ("read", "write"):
+        if f"{op}_proc_c_us_per_row" in cost:
+            print(f"  {op:5s}  through the I/O process (request to reply): C {cost[f'{op}_proc_c_us_per_row']:6.3f}"
+                  f"   Python {cost[f'{op}_proc_py_us_per_row']:6.3f}   C/Python x{cost[f'{op}_proc_c_over_py']:.2f}",
+                  file=sys.stderr)
     print(json.dumps({**out, **cost, "per_row_rows": per_row_rows, "load_avg": round(load, 2), "quick": a.quick}))
     return 0
 

@@ -6,6 +6,9 @@
 #                                    #   1.8 on the CPU torch 2.13 build, for the KeyedJaggedTensor test)
 #   bash scripts/install.sh peers    # + libcachesim (the simulator's cross-check; pulls the AWS SDK)
 #   bash scripts/install.sh bench    # + the FBGEMM CPU build used by scripts/bench_store.py
+#   bash scripts/install.sh native   # + liblmdb-dev (apt-get, as root) and the C build of the disk
+#                                    #   tier's I/O process (hiermem/tiers/lmdb_server.c); without
+#                                    #   it the I/O process is py-lmdb's, ~2x the cost per row
 # torch, chosen once and printed:
 #   * a torch already installed is always kept (whatever its build);
 #   * an NVIDIA GPU (nvidia-smi lists one): torch==2.13.0 from PyPI, the CUDA build;
@@ -49,7 +52,11 @@ else
 fi
 
 extras=""
-for e in "$@"; do extras="${extras:+$extras,}$e"; done
+native=0
+for e in "$@"; do
+    if [ "$e" = "native" ]; then native=1; continue; fi  # not a pip extra: a system library
+    extras="${extras:+$extras,}$e"
+done
 if [ -n "$extras" ]; then
     pip_install -e ".[$extras]"
 else
@@ -61,5 +68,25 @@ if [ "$DRY" != "1" ] && [[ ",$extras," == *",test,"* ]] && "$PY" -c "import torc
     if ! "$PY" -c "import torchrec" >/dev/null 2>&1; then
         pip_install "fbgemm-gpu-cpu==1.8.0" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
         pip_install --no-deps "torchrec==1.8.0"
+    fi
+fi
+
+# The C I/O process of the disk tier: liblmdb's headers, then one build (cached; the store
+# would build it on first use anyway, this says at once whether it can).
+if [ "$native" = "1" ]; then
+    if [ ! -e /usr/include/lmdb.h ] && command -v apt-get >/dev/null 2>&1; then
+        if [ "$(id -u)" = "0" ]; then
+            if [ "$DRY" = "1" ]; then
+                echo "would run: apt-get update && apt-get install -y liblmdb-dev"
+            else
+                echo "install.sh: native: installing liblmdb-dev (apt-get)"
+                apt-get update -qq && apt-get install -y -qq liblmdb-dev >/dev/null
+            fi
+        else
+            echo "install.sh: native: liblmdb-dev is missing; run: sudo apt-get install liblmdb-dev" >&2
+        fi
+    fi
+    if [ "$DRY" != "1" ]; then
+        "$PY" -c "from hiermem.tiers import native; exe, why = native.build(); print('install.sh: native: the C LMDB I/O process:', exe or 'not built: ' + why)"
     fi
 fi

@@ -6,6 +6,11 @@ threads would take turns, not overlap.  :class:`LmdbProcess` runs ``_lmdb_server
 (lmdb and numpy only) and hands it whole batches over a pipe; the calling thread waits
 on the pipe with the GIL released.  Used only from the disk tier's background threads
 (one process per thread that uses it); the store's own synchronous I/O stays in-process.
+
+The child is the C build of the server (``lmdb_server.c``, :mod:`.native`) where it
+builds, else ``_lmdb_server.py``; both speak one protocol.  A C child that cannot open
+the store (say, a liblmdb whose lock format differs from py-lmdb's) is not tried again in
+this process: the Python child runs instead.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from . import native
 from .priority import lower_process
 
 SERVER = Path(__file__).with_name("_lmdb_server.py")
 _HDR = struct.Struct("<cQ")
 _REPLY = struct.Struct("<BQ")
 START_TIMEOUT = 30.0
+_native_failed: list[str] = []  # why the C child failed to start here (then: Python children)
 
 
 class LmdbProcessError(Exception):
@@ -61,10 +68,26 @@ class LmdbProcess:
 
     def __init__(self, path: str | os.PathLike, map_size: int, write: bool, sync: bool, writemap: bool = False,
                  max_dbs: int = 32):
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SERVER), str(path), str(int(map_size)), "w" if write else "r",
-             "1" if sync else "0", str(os.getpid()), "1" if write and writemap else "0", str(int(max_dbs))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
+        args = [str(path), str(int(map_size)), "w" if write else "r", "1" if sync else "0", str(os.getpid()),
+                "1" if write and writemap else "0", str(int(max_dbs))]
+        exe = None if _native_failed else native.server()
+        failed = None
+        if exe is not None:
+            try:
+                self._start([str(exe)] + args)
+                self.native = True
+                return
+            except LmdbProcessError as e:
+                if e.gone or native.choice() == "native":
+                    raise
+                failed = str(e)
+        self._start([sys.executable, str(SERVER)] + args)
+        self.native = False  # the Python child (py-lmdb)
+        if failed is not None:  # the C child cannot open a store py-lmdb opens: Python from now on
+            _native_failed.append(failed)
+
+    def _start(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
         lower_process(self.proc.pid)  # background I/O: the training thread first
         try:
             self._call(None, b"", timeout=START_TIMEOUT)

@@ -45,9 +45,11 @@ The last line is one JSON object (``host_over_baseline``, ``disk_prefetch_over_b
 from __future__ import annotations
 
 import argparse
+import cProfile
 import ctypes
 import json
 import os
+import pstats
 import shutil
 import sys
 import tempfile
@@ -226,6 +228,7 @@ def warm(step: Step, store, it, cap: int, fill_host: bool) -> tuple[int, bool]:
 def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, preload: bool) -> dict:
     a, wl, batches, base = ctx["args"], ctx["wl"], ctx["batches"], ctx["base"]
     t_start = time.perf_counter()
+    prof = cProfile.Profile() if a.profile else None  # the training thread's timed steps only
     path = ctx["tmp"] / name.replace("/", "_")
     store = open_store(ctx["ck"], path, wl, dev, host, wb, preload, a.device)
     os.sync()  # the restored files' dirty pages go down now, not in the timed window
@@ -255,6 +258,8 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
         while not finished:
             t0 = time.perf_counter()
             k = 0
+            if prof is not None:
+                prof.enable()
             while k < BLOCK and not finished:
                 held = comb.n if comb is not None else 0
                 step(it)
@@ -263,6 +268,8 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
                 cycles += went
                 finished = i + k - start >= a.steps and (
                     comb is None or i + k - start >= CYCLE_CAP * a.steps or (cycles >= MIN_CYCLES and went))
+            if prof is not None:
+                prof.disable()
             tw = time.perf_counter()
             settle(store, pipe)
             t1 = time.perf_counter()
@@ -287,6 +294,13 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
         store.close()
         shutil.rmtree(path, ignore_errors=True)
         os.sync()  # nor this configuration's in the next one's
+    if prof is not None:
+        out_file = a.profile.with_name(f"{a.profile.name}.{name.replace('/', '_')}")
+        prof.dump_stats(out_file)
+        print(f"  {name}: the training thread's profile of the timed steps in {out_file} "
+              f"(python -m pstats); top by own time:", file=sys.stderr)
+        st = pstats.Stats(prof, stream=sys.stderr)
+        st.sort_stats("tottime").print_stats(12)
     ms = res.pop("ms_per_step")
     out = {"over_baseline": round(bs / hs, 4),
            "critical_path_ms": round(1e3 * (crit + ws) / steps, 3),
@@ -369,6 +383,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and device tier live")
     ap.add_argument("--real-dense", action="store_true", help="bench_train's DLRM dense part instead of the wait")
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON object here")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="cProfile the training thread's timed steps; stats to PROFILE.<config> (slows them: "
+                         "the ratios of a profiled run mean little)")
     a = ap.parse_args(argv)
     a.write_behind = {"combined": "combined", "on": True, "off": False}[a.write_behind]
     a.rows = a.rows or (120_000 if a.quick else 500_000)

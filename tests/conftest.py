@@ -37,7 +37,12 @@ SLOW = {
                          "test_readers_in_other_processes_see_the_last_flush_while_training_goes_on"},  # 2.1 s
     "test_modules.py": {"test_checkpoint_survives_sigkill_and_resume_reproduces_losses",  # 13 s: kills a trainer
                         "test_prefetch_thread_stress",  # 3.5 s: a stress run
-                        "test_state_dict_round_trip_and_restore_in_a_fresh_process"},  # 2.1 s: a subprocess
+                        "test_state_dict_round_trip_and_restore_in_a_fresh_process",  # 2.1 s: a subprocess
+                        # below: a `-m "not slow"` run of 2026-12-06 22:50 UTC (-n 2, another job beside it)
+                        "test_pins_exceeding_the_device_tier_degrade_depth_and_stay_exact",  # 16 s
+                        "test_mean_mode_and_per_sample_weights_equal_plain",  # 15 s
+                        "test_inline_prefetch_equals_background_threads"},  # 11 s
+    "test_bench_scripts.py": {"test_paired_runs_both_configurations_on_the_same_batches"},  # 10 s
     # below: a `-m "not slow"` run of 2026-12-05 16:18 UTC (2 shared cores), summed over parameters
     "test_writemap.py": {"test_training_through_a_growing_map_is_exact_and_the_map_is_allocated",  # 57 s (4)
                          "test_reopening_with_a_smaller_map_never_shrinks_the_file",  # 6.5 s
@@ -46,7 +51,8 @@ SLOW = {
     "test_dataplane.py": {"test_kernels_compiled_equal_interpreted"},  # 16 s (4): NUMBA_DISABLE_JIT parity
     "test_faults.py": {"test_kill_at_any_rename_of_restore_leaves_a_store_that_opens"},  # 4.7 s: kills
     "test_metrics.py": {"test_scrapes_do_not_change_or_block_training",  # 4.5 s: a scraping soak
-                        "test_cli_serve_and_demo_metrics_port"},  # 2.5 s: CLI processes
+                        "test_cli_serve_and_demo_metrics_port",  # 2.5 s: CLI processes
+                        "test_real_prometheus_evaluates_every_dashboard_expression"},  # 19 s: a real Prometheus
     "test_sharding_nccl.py": None,  # 4.5 + 1.9 s: a gloo group; the NCCL script without CUDA
     "test_durability.py": {"test_flush_then_sigkill_keeps_flushed_values",  # 3.8 s (2): kills
                            "test_truncated_data_mdb_past_meta_pages_is_refused"},  # 3.3 s
@@ -101,3 +107,17 @@ def tiny_fs(tmp_path):
     """A 2 MiB tmpfs: a disk that fills."""
     with mounted_tmpfs(tmp_path / "mnt", "2m") as mnt:
         yield mnt
+
+
+def pytest_configure(config):
+    """With test workers (pytest-xdist), compile the kernels once here, before the workers
+    start, instead of in every worker at once on a fresh checkout (a stamp check when the
+    cache is warm)."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    if config.option.collectonly:
+        return
+    from hiermem.store import warm
+    from hiermem.store.hierarchical import HierarchicalStore
+
+    warm.ensure_compiled(store_class=HierarchicalStore)

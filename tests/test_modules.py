@@ -110,7 +110,7 @@ def _train(kind, opt_name, steps, tmp_path, depth=0, device_rows=12, host_rows=2
     return losses, final, stats
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("opt_name", ["sgd", pytest.param("rowwise_adagrad", marks=pytest.mark.slow)])  # ~10 s
 def test_dlrm_training_equals_plain_embedding_bags(tmp_path, opt_name):
     steps = 50
     ref_losses, ref_final, _ = _train("plain", opt_name, steps, tmp_path)

@@ -170,3 +170,38 @@ def test_pipeline_threads_leave_the_callers_torch_threads_alone():
     assert torch.get_num_threads() == before and later == [before]
     if pipeline._per_thread_intra_op():
         assert seen == [1]
+
+
+@pytest.mark.skipif(not lmdb_process.supported(), reason="I/O processes need Linux")
+def test_a_background_threads_placement_read_goes_through_its_io_process(tmp_path, monkeypatch):
+    """A placement's LMDB read off the main thread (a prefetch thread's) is done by that
+    thread's I/O process, so the training thread keeps the GIL; the main thread reads
+    in-thread.  Same records either way, duplicates and unsorted ids included."""
+    d = DiskTier(tmp_path / "lmdb", create=True, sync=False, io_process=True)
+    d.write([(0, np.arange(100), _rec(np.arange(100), 0.0)), (1, np.arange(50), _rec(np.arange(50), 2.0))])
+    in_thread = []
+    real = d.snapshot_read
+    monkeypatch.setattr(d, "snapshot_read", lambda fn, *a, **k: in_thread.append(1) or real(fn, *a, **k))
+    ids = np.array([150, 7, 5, 99, 7, 3])
+    want_f = np.array([False, True, True, True, True, True])
+
+    def reads():
+        f, r = d.read(0, ids, W)
+        many = d.read_many([(0, ids, W), (1, np.array([49, 60, 1]), W)])
+        return f, r, many
+
+    got = {}
+    t = threading.Thread(target=lambda: got.update(bg=reads()))
+    t.start()
+    t.join()
+    assert in_thread == [] and len(d.procs.processes()) == 1  # the thread's process read
+    got["main"] = reads()
+    assert len(in_thread) == 2  # the main thread: in-thread reads
+    for f, r, many in got.values():
+        assert f.tolist() == want_f.tolist()
+        np.testing.assert_array_equal(r[1:], _rec([7, 5, 99, 7, 3], 0.0))
+        assert many[0][0].tolist() == want_f.tolist() and np.array_equal(many[0][1], r)
+        assert many[1][0].tolist() == [True, False, True]
+        np.testing.assert_array_equal(many[1][1][[0, 2]], _rec([49, 1], 2.0))
+    assert d.io_failures == 0
+    d.close()

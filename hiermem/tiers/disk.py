@@ -86,6 +86,14 @@ def sorted_keys(ids) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndar
     return u, su, order, None
 
 
+def _background() -> bool:
+    """The calling thread is not the main thread: a placement's LMDB read there goes through
+    the thread's I/O process, as read-ahead does, because py-lmdb would hold the GIL and stop
+    the training thread for the read's length.  The main thread (the training thread, which
+    waits for the read anyway) reads in-thread."""
+    return threading.current_thread() is not threading.main_thread()
+
+
 class DiskTier:
     """An LMDB environment at ``path`` (a directory), with its read-ahead cache
     (:attr:`ahead`), write-behind queue (:attr:`queue`) and I/O processes (:attr:`procs`).
@@ -396,14 +404,23 @@ class DiskTier:
         def fn(txn: lmdb.Transaction) -> list:
             return [txn.cursor(db=db).getmulti(key_list(u)) if db is not None and len(u) else []
                     for _, u, _, _, _, db in plan]
-        t0 = time.perf_counter()
-        res = self.snapshot_read(fn)
-        self._observe(self.read_seconds, t0)
+        asked = [(table, u, width) for table, u, _, _, width, db in plan if db is not None and len(u)]
+        by_proc = self._proc_read(asked) if asked and _background() else None  # by this thread's I/O process
+        if by_proc is None:
+            t0 = time.perf_counter()
+            res = self.snapshot_read(fn)
+            self._observe(self.read_seconds, t0)
+        else:
+            by_proc = iter(by_proc)
         out = []
-        for (table, u, order, inverse, width, _), got, (_, ids, _) in zip(plan, res, groups):
+        for i, ((table, u, order, inverse, width, db), (_, ids, _)) in enumerate(zip(plan, groups)):
             f = np.zeros(len(u), dtype=bool)
             r = np.zeros((len(u), width), dtype=np.float32)
-            self.parse_records(got, table, width, u, order, f, r)
+            if by_proc is None:
+                self.parse_records(res[i], table, width, u, order, f, r)
+            elif db is not None and len(u):
+                pos = slice(None) if order is None else order
+                f[pos], r[pos] = next(by_proc)
             if inverse is not None:
                 f, r = f[inverse], r[inverse]
             self._newer(table, ids, width, f, r, queued)
@@ -450,6 +467,11 @@ class DiskTier:
                 return found, out
         db = self.table_database(table)
         if db is None:  # nothing of the table was ever written
+            return found, out
+        got = self._proc_read([(table, su, width)]) if _background() else None
+        if got is not None:  # by this thread's I/O process
+            pos = slice(None) if order is None else order
+            found[pos], out[pos] = got[0]
             return found, out
         keys = key_list(su)
         t0 = time.perf_counter()
@@ -529,21 +551,30 @@ class DiskTier:
         """Reads served from read-ahead records."""
         return self.ahead.hits
 
+    def _proc_read(self, groups: list[tuple[int, np.ndarray, int]]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Records of ``(table, sorted distinct uint64 ids, width)`` groups in one snapshot
+        by this thread's I/O process (GIL-free: the thread waits on a pipe), or None: it
+        has none, or it failed (the caller reads in-thread, which types the error)."""
+        proc = self._proc(write=False)
+        if proc is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            got = proc.read(groups)
+        except LmdbProcessError as e:
+            self.procs.failed(proc, e)
+            return None
+        self._observe(self.read_seconds, t0)
+        for found, rec in got:
+            self.bytes_read += int(found.sum()) * rec.shape[1] * 4
+        return got
+
     def _read_groups(self, groups: list[tuple[int, np.ndarray, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Records of ``(table, sorted distinct uint64 ids, width)`` groups in one snapshot,
         by this thread's I/O process where it has one: ``[(found, records)]``."""
-        proc = self._proc(write=False)
-        if proc is not None:
-            t0 = time.perf_counter()
-            try:
-                got = proc.read(groups)
-            except LmdbProcessError as e:
-                self.procs.failed(proc, e)
-            else:
-                self._observe(self.read_seconds, t0)
-                for found, rec in got:
-                    self.bytes_read += int(found.sum()) * rec.shape[1] * 4
-                return got
+        got = self._proc_read(groups)
+        if got is not None:
+            return got
         dbs = [self.table_database(table) for table, _, _ in groups]  # before the transaction: opening one takes its own
         out = []
         with self.env.begin(buffers=False) as txn:

@@ -64,6 +64,7 @@ class EvictionPolicy:
         if params:
             raise PolicyFileError(f"policy {self.name!r} takes no parameters {sorted(params)}")
         self.admission = _admission(admission)
+        self._hashes = _qk.is_queue(self.code)
         self.capacity = C = int(capacity)
         self._key = np.zeros(C, dtype=np.int64)
         self._score = np.zeros(C, dtype=np.float64)
@@ -100,6 +101,7 @@ class EvictionPolicy:
         st[_names.P_HEAP_S] = grown
         self.state = tuple(st)
         _adm.init(st[_names.P_RM], grown, off, self.capacity, _adm.ADMISSIONS[self.admission])
+        self._hashes = True
 
     @property
     def filtering(self) -> bool:
@@ -108,8 +110,9 @@ class EvictionPolicy:
 
     @property
     def hashes(self) -> bool:
-        """Whether the placement must give this policy its rows' hashes (``ws[RH]``)."""
-        return _qk.is_queue(self.code) or self.filtering
+        """Whether the placement must give this policy its rows' hashes (``ws[RH]``): a
+        queue policy's, or one with the admission filter on."""
+        return self._hashes
 
     def _reset_admission(self) -> None:
         rm = self.state[_names.P_RM]

@@ -9,7 +9,9 @@ largest estimate among that batch's device victims (FBGEMM's LFU insert rule, Ti
 admission).  A refused row is still placed where the plan put it, so the batch is served
 as it would be; it is only put *on probation*: the first victim of the next eviction
 (:func:`hiermem.core.policy.probation`), until it is used again, which admits it.  So a
-stream of one-hit wonders churns the probation rows, not the rows that are used.
+stream of one-hit wonders churns the probation rows, not the rows that are used.  (A
+key policy's refused row that is evicted to the host carries its key there, so it is
+the host's first victim too; a queue policy's enters the host's queues as any row.)
 
 The decision is made in the placement's commit (:func:`hiermem.core.plan.commit_`), the
 one the store, the pipeline and the simulator share, over the store's row hashes

@@ -33,9 +33,10 @@ ids); the default replays the whole shared traces and Zipf 300k over 100k ids; `
 libCacheSim's LRU miss on exactly the same accesses (counts compared) everywhere.
 
 Last line: JSON with ``worst_gap_to_libcachesim_pts`` (min over trace x size of the best
-hiermem online policy's hit rate minus the best libCacheSim online algorithm's, in
-percentage points; Belady, BeladySize and lookahead policies excluded: ``gap_excludes``;
-target >= -0.3), ``worst_lookahead_over_belady`` (lookahead window 16 over Belady, min
+hiermem online policy's hit rate, its ``+tinylfu`` admission variants included, minus the
+best libCacheSim online algorithm's, in percentage points; Belady, BeladySize and
+lookahead policies excluded: ``gap_excludes``; target >= -0.3), ``admission_off_on``
+(per trace and size, each policy's hit rate without and with ``admission="tinylfu"``), ``worst_lookahead_over_belady`` (lookahead window 16 over Belady, min
 over trace x size; target >= 0.92), ``lookahead_window_curve``, ``tables`` (every hit
 rate), ``targets_met`` and ``seconds`` (where the time went).
 """
@@ -407,6 +408,24 @@ def collect_lookahead(la: dict) -> float:
 
 
 # -- summary -------------------------------------------------------------------------------
+ADMISSION_SUFFIX = "+tinylfu"
+
+
+def admission_off_on(res: dict) -> dict:
+    """``trace -> size -> policy -> {"off", "tinylfu", "gain_pts"}``: each policy's hit rate
+    without and with the admission filter (its default parameters)."""
+    out: dict = {}
+    for tname, t in res.items():
+        for size, row in t.get("sizes", {}).items():
+            hm = row["hiermem"]
+            for label, on in hm.items():
+                base = label[:-len(ADMISSION_SUFFIX)]
+                if label.endswith(ADMISSION_SUFFIX) and base in hm:
+                    out.setdefault(tname, {}).setdefault(size, {})[base] = {
+                        "off": hm[base], "tinylfu": on, "gain_pts": 100 * (on - hm[base])}
+    return out
+
+
 def summarise(res: dict, la: dict) -> dict:
     gaps, ratios, curve, belady_ok, lru_eq = [], [], {}, True, []
     for tname, t in res.items():
@@ -441,6 +460,7 @@ def summarise(res: dict, la: dict) -> dict:
     r = min(ratios) if ratios else None
     return {
         "worst_gap_to_libcachesim_pts": g[0] if g else None,
+        "admission_off_on": admission_off_on(res),
         "worst_gap_at": {"trace": g[1], "size": g[2], "hiermem": g[3], "libcachesim": g[4]} if g else None,
         "gap_excludes": GAP_EXCLUDES,
         "worst_lookahead_over_belady": r[0] if r else None,
@@ -495,6 +515,14 @@ def print_tables(res: dict, la: dict) -> None:
                 vals.append(hr / row["belady"] if isinstance(hr, float) and row["belady"] else None)
             label = f"{w}" + (" (no lookahead)" if w == 0 else "")
             print(f"{label:<34}" + "".join(f"{v:>14.3f}" if v is not None else f"{'-':>14}" for v in vals))
+    adm = admission_off_on(res)
+    if adm:
+        print("\nadmission filter (tinylfu) gain, points of hit rate:")
+        pols = sorted({p for t in adm.values() for s in t.values() for p in s})
+        print(f"{'':<34}" + "".join(f"{h:>14}" for h in head))
+        for p in pols:
+            vals = [adm.get(t, {}).get(s, {}).get(p, {}).get("gain_pts") for t, s in cols]
+            print(f"{p:<34}" + "".join(f"{v:>+14.2f}" if v is not None else f"{'-':>14}" for v in vals))
     print()
     for t, s in cols:
         b = res[t]["sizes"][s].get("best_online")

@@ -2,9 +2,10 @@
 
 ``tests/test_core_parity.py`` runs it twice, compiled and with ``NUMBA_DISABLE_JIT=1``,
 and compares the outputs: the same plans, victims, keys and counters, per policy, with
-pins, unaccounted placements, lookahead marks and a compiled replay.
+pins, unaccounted placements, lookahead marks and a compiled replay, with the admission
+filter off or on.
 
-    python tests/parity_driver.py POLICY SEED
+    python tests/parity_driver.py POLICY SEED [ADMISSION]
 """
 
 from __future__ import annotations
@@ -17,23 +18,23 @@ from pathlib import Path
 
 import numpy as np
 
-from hiermem.core.names import RM_SIZE
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hiermem.core import plan as P  # noqa: E402
+from hiermem.core.names import RH, RM_SIZE  # noqa: E402
+from hiermem.core.sketch import row_hashes  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # interpreted kernels: int64 hashing wraps
 from hiermem.core.index import KeyIndex  # noqa: E402
 from hiermem.core.replay import replay  # noqa: E402
-from hiermem.core.policies import resolve_policy  # noqa: E402
+from hiermem.core.policies import PolicySpec, resolve_policy  # noqa: E402
 from hiermem.tiers.slots import SlotTier  # noqa: E402
 from hiermem.types import Tier  # noqa: E402
 
 
-def run(policy: str, seed: int) -> dict:
+def run(policy: str, seed: int, admission: str = "off") -> dict:
     rng = np.random.default_rng(seed)
-    spec = resolve_policy(policy)
+    spec = PolicySpec(resolve_policy(policy).name, {"admission": admission})
     D, H, T = 120, 5000, 2
     ix = KeyIndex(D + H, [None, None] if seed % 2 else [3000, 3000])
     dev = SlotTier(Tier.DEVICE, D, 0, "cpu", spec, base=0)
@@ -52,6 +53,7 @@ def run(policy: str, seed: int) -> dict:
         bt, bk = key // 10_000, key % 10_000
         U = bk.size
         ws, res = P.workspace(U)
+        row_hashes(bt, bk, ws[RH, :U])  # the store's backing's row hashes
         if policy == "lookahead" and step % 3 == 0:
             for tier in (dev, host):
                 occ = np.nonzero(tier.state[0] >= 0)[0]
@@ -90,16 +92,18 @@ def run(policy: str, seed: int) -> dict:
     dv, hs = SlotTier(Tier.DEVICE, 50, 0, "cpu", spec, base=0), SlotTier(Tier.HOST, 100, 0, "cpu", spec, base=50)
     rix = KeyIndex(150, [700], direct=True)
     written = np.zeros(700, dtype=np.uint8)
+    rhash = np.empty(700, dtype=np.int64)
+    row_hashes(np.zeros(700, dtype=np.int64), np.arange(700, dtype=np.int64), rhash)
     rc = np.zeros((1, 3, 5), dtype=np.int64)
     io = np.zeros(16, dtype=np.int64)
     offsets = np.concatenate(([0], np.cumsum(rng.integers(1, 4, 3000))))
     offsets = offsets[offsets <= rows.size]
     end = replay(rix.arrays, dv.state, dv.policy.state, hs.state, hs.policy.state, rows, offsets,
-                 np.zeros(700, dtype=np.int64), np.zeros(1, dtype=np.int64), written, True, rc, io, 8,
+                 np.zeros(700, dtype=np.int64), np.zeros(1, dtype=np.int64), rhash, written, True, rc, io, 8,
                  *P.workspace(8), 0)
     return {"digest": h.hexdigest(), "counters": counters.tolist(), "statuses": statuses,
             "replay": [int(end), rc.tolist(), io.tolist(), written.tolist(), dv.policy.state[0].tolist()]}
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], int(sys.argv[2]))))
+    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])))

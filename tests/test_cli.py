@@ -30,6 +30,19 @@ def test_sim_without_json_shows_every_tier_and_the_step_estimate(trace, capsys):
     assert "estimated step time" in out and " ms" in out
 
 
+def test_sim_takes_an_admission_filter(trace, capsys):
+    import json
+
+    hits = {}
+    for adm in ("off", "tinylfu"):
+        assert main(["sim", str(trace), "--policy", "lru", "--device-rows", "100", "--host-rows", "60", "--admission",
+                     adm, "--json"]) == 0
+        hits[adm] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["device"]["hits"]
+    assert hits["tinylfu"] > hits["off"]  # Zipf ids: the filter keeps the hot rows
+    with pytest.raises(SystemExit):
+        main(["sim", str(trace), "--policy", "lru", "--device-rows", "20", "--admission", "maybe"])
+
+
 def test_trace_import_refuses_a_non_npy_file_and_a_non_empty_directory(tmp_path, capsys):
     assert main(["trace", "import", "npy", str(ROOT / "README.md"), str(tmp_path / "a"), "--table", "t",
                  "--batch-size", "4"]) == 2

@@ -1,6 +1,7 @@
 """The control plane's kernels compiled and interpreted (``NUMBA_DISABLE_JIT=1``) make the
 same plans: victims, slots, keys, counters, for every registered policy, with pins,
-unaccounted placements, lookahead marks and the compiled replay."""
+unaccounted placements, lookahead marks and the compiled replay, with and without the
+admission filter."""
 
 from __future__ import annotations
 
@@ -17,17 +18,20 @@ from hiermem.core.policies import POLICIES
 DRIVER = Path(__file__).with_name("parity_driver.py")
 
 
-def _run(policy: str, seed: int, jit: bool) -> dict:
+def _run(policy: str, seed: int, jit: bool, admission: str) -> dict:
     env = dict(os.environ, NUMBA_DISABLE_JIT="0" if jit else "1")
-    out = subprocess.run([sys.executable, str(DRIVER), policy, str(seed)], env=env, capture_output=True, text=True,
-                         timeout=600, check=True)
+    out = subprocess.run([sys.executable, str(DRIVER), policy, str(seed), admission], env=env, capture_output=True,
+                         text=True, timeout=600, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_compiled_equals_interpreted(policy, seed):
-    compiled, interpreted = _run(policy, seed, True), _run(policy, seed, False)
+# every policy at two seeds without the admission filter, and at one with it
+CASES = [(p, s, "off") for p in sorted(POLICIES) for s in (0, 1)] + [(p, 0, "tinylfu") for p in sorted(POLICIES)]
+
+
+@pytest.mark.parametrize("policy,seed,admission", CASES)
+def test_compiled_equals_interpreted(policy, seed, admission):
+    compiled, interpreted = _run(policy, seed, True, admission), _run(policy, seed, False, admission)
     assert compiled == interpreted
     assert any(s == 0 for s in compiled["statuses"])
     assert sum(sum(sum(t) for t in tier) for tier in compiled["counters"]) > 0

@@ -16,8 +16,17 @@ from hiermem.core.policies import POLICIES, resolve_policy
 ALL = sorted(POLICIES)
 
 
-def _policy(name, cap=8):
-    return POLICIES[name](cap, "cpu")
+def _policy(name, cap=8, admission="off"):
+    p = POLICIES[name](cap, "cpu", admission=admission)
+    p.attach_admission()  # as a device tier does (the filter acts in the placement; its state is there)
+    return p
+
+
+def _policy_file(tmp_path, name, admission):
+    """A policy file naming ``name`` with the admission filter ``admission``."""
+    f = tmp_path / f"{name}-{admission}.toml"
+    f.write_text(f'name = "{name}"\n[params]\nadmission = "{admission}"\n')
+    return str(f)
 
 
 def _fill(p, n):
@@ -26,10 +35,11 @@ def _fill(p, n):
     return slots
 
 
+@pytest.mark.parametrize("admission", ["off", "tinylfu"])
 @pytest.mark.parametrize("name", ALL)
 class TestPolicyContract:
-    def test_victims_are_distinct_evictable_and_sorted(self, name):
-        p = _policy(name, 16)
+    def test_victims_are_distinct_evictable_and_sorted(self, name, admission):
+        p = _policy(name, 16, admission)
         _fill(p, 16)
         ev = torch.zeros(16, dtype=torch.bool)
         ev[::2] = True
@@ -40,8 +50,8 @@ class TestPolicyContract:
         assert bool((keys[1:] >= keys[:-1]).all())
         assert bool((keys.max() <= p.key[ev].sort().values[4]))  # the 5 smallest
 
-    def test_zero_and_too_many(self, name):
-        p = _policy(name)
+    def test_zero_and_too_many(self, name, admission):
+        p = _policy(name, 8, admission)
         _fill(p, 8)
         ev = torch.ones(8, dtype=torch.bool)
         assert p.victims(0, ev).numel() == 0
@@ -51,26 +61,28 @@ class TestPolicyContract:
         with pytest.raises(ValueError):
             p.victims(1, torch.zeros(8, dtype=torch.bool))
 
-    def test_recent_access_protects(self, name):
-        p = _policy(name)
+    def test_recent_access_protects(self, name, admission):
+        p = _policy(name, 8, admission)
         _fill(p, 8)
         p.on_access(torch.tensor([0]), torch.tensor([100]), torch.tensor([1]))
         v = p.victims(7, torch.ones(8, dtype=torch.bool))
         assert 0 not in v.tolist()
 
-    def test_carry_round_trip(self, name):
-        a, b = _policy(name), _policy(name)
+    def test_carry_round_trip(self, name, admission):
+        a, b = _policy(name, 8, admission), _policy(name, 8, admission)
         _fill(a, 8)
         a.on_access(torch.tensor([3, 5]), torch.tensor([50, 60]), torch.tensor([2, 1]))
         b.on_carry_in(torch.tensor([7, 6, 5, 4, 3, 2, 1, 0]), a.carry(torch.arange(8)))
         ev = torch.ones(8, dtype=torch.bool)
         assert (7 - b.victims(8, ev)).tolist() == a.victims(8, ev).tolist()
 
-    def test_resolves_by_name_and_file(self, name, tmp_path):
+    def test_resolves_by_name_and_file(self, name, admission, tmp_path):
         assert resolve_policy(name).name == name
         f = tmp_path / "p.toml"
         f.write_text(f'name = "{name}"\n')
         assert resolve_policy(f).name == name
+        spec = resolve_policy(_policy_file(tmp_path, name, admission))
+        assert spec.name == name and spec.build(4).admission == admission
 
 
 class _Recorder:
@@ -189,9 +201,11 @@ def test_shipped_policy_files_load():
         assert resolve_policy(root / f).name == f.split(".")[0]
 
 
-def test_rows_of_current_batch_never_evicted(tmp_path):
+@pytest.mark.parametrize("admission", ["off", "tinylfu"])
+def test_rows_of_current_batch_never_evicted(tmp_path, admission):
     store = hm.HierarchicalStore([hm.TableSpec("t", 1000, 2)],
-                                 hm.StoreConfig(path=tmp_path / "s", device_rows=8, host_rows=8, policy="lfu"))
+                                 hm.StoreConfig(path=tmp_path / "s", device_rows=8, host_rows=8,
+                                                policy=_policy_file(tmp_path, "lfu", admission)))
     rng = random.Random(0)
     for _ in range(50):
         ids = torch.tensor(rng.sample(range(1000), 8))

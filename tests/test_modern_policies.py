@@ -183,9 +183,11 @@ def test_lookahead_orders_the_window_by_next_use():
     assert p.victims(6, torch.ones(6, dtype=torch.bool)).tolist() == [3, 4, 5, 0, 2, 1]
 
 
+@pytest.mark.parametrize("admission", ["off", "tinylfu"])
 @pytest.mark.parametrize("name", MODERN)
-def test_queue_policies_skip_held_slots_and_recover_untaken_victims(name):
-    p = POLICIES[name](8, "cpu")
+def test_queue_policies_skip_held_slots_and_recover_untaken_victims(name, admission):
+    p = POLICIES[name](8, "cpu", admission=admission)
+    p.attach_admission()
     p.on_insert(torch.arange(8), torch.arange(8), torch.ones(8, dtype=torch.int64))
     ev = torch.ones(8, dtype=torch.bool)
     ev[[2, 5]] = False
@@ -217,15 +219,19 @@ def test_bad_parameters_in_a_policy_file_are_refused(tmp_path):
     assert hm.resolve_policy(f).build(100).small == 0.2
 
 
+@pytest.mark.parametrize("admission", ["off", "tinylfu"])
 @pytest.mark.parametrize("name", MODERN)
-def test_a_store_with_a_queue_policy_trains_exactly(tmp_path, name):
-    """Rows through a store of 16 device and 32 host slots under the policy, updated with
-    SGD: the same numbers as a flat table (the policy moves rows, never changes them;
-    allclose: the store's fused step and this reference may round differently)."""
+def test_a_store_with_a_queue_policy_trains_exactly(tmp_path, name, admission):
+    """Rows through a store of 16 device and 32 host slots under the policy (with and
+    without the admission filter), updated with SGD: the same numbers as a flat table
+    (the policy moves rows, never changes them; allclose: the store's fused step and
+    this reference may round differently)."""
     rng = np.random.default_rng(0)
     spec = hm.TableSpec("t", 400, 4)
+    f = tmp_path / "p.toml"
+    f.write_text(f'name = "{name}"\n[params]\nadmission = "{admission}"\n')
     store = hm.HierarchicalStore([spec], hm.StoreConfig(path=tmp_path / "s", device_rows=16, host_rows=32,
-                                                       policy=name))
+                                                       policy=str(f)))
     flat = torch.cat([store.lookup("t", torch.arange(a, a + 40)) for a in range(0, 400, 40)])
     for _ in range(60):
         ids = torch.from_numpy((rng.zipf(1.2, 40) % 400).astype(np.int64))

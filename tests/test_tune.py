@@ -114,4 +114,6 @@ def test_the_search_covers_every_registered_policy():
     assert all(c.prefetch_depth >= 1 for c in cands if c.policy == "lookahead")
     assert {dict(c.params).get("small") for c in cands if c.policy == "s3fifo"} == {0.05, 0.10, 0.20}
     assert {dict(c.params).get("base", "lru") for c in cands if c.policy == "lookahead"} == {"lru", "lfu_decay"}
+    # every family with and without the admission filter
+    assert {c.policy for c in cands if dict(c.params).get("admission") == "tinylfu"} == set(POLICIES)
     assert all("=" in c.label or c.params == () for c in cands)

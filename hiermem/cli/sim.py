@@ -75,7 +75,13 @@ def _sim(a: argparse.Namespace) -> int:
                "device_hit_rate": (trace.accesses - misses) / max(1, trace.accesses),
                "note": "optimal per-access demand paging for one tier of device_rows rows"}
     else:
-        res = simulate(trace, SimConfig(device_rows=a.device_rows, host_rows=a.host_rows, policy=a.policy,
+        policy = a.policy
+        if a.admission is not None:  # the policy (a name or a file) with this admission filter
+            from ..core.policies import PolicySpec, resolve_policy
+
+            spec = resolve_policy(a.policy)
+            policy = PolicySpec(spec.name, {**spec.params, "admission": a.admission}, spec.source)
+        res = simulate(trace, SimConfig(device_rows=a.device_rows, host_rows=a.host_rows, policy=policy,
                                         prefetch_depth=a.prefetch_depth, row_bytes=a.row_bytes))
         out = res.to_dict()
     if a.json:
@@ -135,6 +141,8 @@ def add_commands(sub: argparse._SubParsersAction, formatter_class=argparse.HelpF
     s.add_argument("--host-rows", type=int, default=0, help="host tier rows (default 0: device over disk)")
     s.add_argument("--prefetch-depth", type=int, default=0, help="batches prefetched ahead (0: none)")
     s.add_argument("--row-bytes", type=int, default=256, help="bytes per row record, for bytes moved")
+    s.add_argument("--admission", choices=["off", "tinylfu"], default=None,
+                   help="the admission filter in front of the device tier (default: the policy's own, off)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(fn=_sim)
 

@@ -26,8 +26,9 @@ from __future__ import annotations
  ENTRY,      # saved index entries of rows changing tier (scratch before)
  MOVED,      # 1: the row came up to the device (scratch before)
  SV_T, SV_K, SV_DIRTY, SV_PINS, SV_KEY, SV_SCORE, SV_USES,  # saved slot state of rows changing tier
- ) = range(23)
-NROWS = 23
+ RH,         # each batch row's 64-bit hash (set by the backing before decide: hiermem.store.placing)
+ ) = range(24)
+NROWS = 24
 
 # -- the plan's counts: res, int64 [NRES] -----------------------------------------------
 (STATUS, M, N_MOVE, NA, NB, NC, NE, N_VD, N_SKIP, N_VH, N_DISK, N_WB, N_UP, N_DN, DEV_EV, HOST_EV) = range(16)
@@ -60,6 +61,14 @@ FIRST_QUEUE = SIEVE
  G_TH, G_USED, G_RING, G_TABLE, K_OFF, K_W, K_ADDS, K_SAMPLE, Q_LA) = range(RM_SIZE, RM_SIZE + 39)
 Q_RMSIZE = RM_SIZE + 39  # Q_LA: 1 when the policy is lookahead's base (next uses at hk[3C:4C])
 Q_NONE, Q_GONE = -1, 8  # qid of a slot in no queue; qid >= Q_GONE: taken as a victim (q + Q_GONE)
+Q_ADM = 3  # the queue of rows the admission filter refused (the first victims; no policy uses queue 3)
+
+# -- the admission filter (hiermem.core.admission), rm[Q_RMSIZE:RM_ALL] of every policy --
+# on (its code below); where the per-slot row hashes and the sketch start in hs, the
+# sketch's width per row, increments since the last halving, and the halving period
+A_ON, A_HASH, A_SK, A_W, A_ADDS, A_SAMPLE = range(Q_RMSIZE, Q_RMSIZE + 6)
+RM_ALL = Q_RMSIZE + 6  # every policy's rm has this many entries
+ADMIT_OFF, ADMIT_TINYLFU = 0, 1  # rm[A_ON]: admission codes
 
 # -- counters: table x tier x stat (hiermem.observe.stats.Counters.table) ---------------
 C_DEVICE, C_HOST, C_DISK = 0, 1, 2  # hiermem.types.Tier codes

@@ -10,7 +10,8 @@ disk and which dirty victims written down.  The caller then does the I/O that ma
 (LMDB read of the disk rows, write-back of the dirty victims), so an error leaves the
 store as it was (:func:`abort` forgets the victim search's reservoir, whose entries the
 victims left), and ``commit`` applies the plan to the index, the tiers' slot metadata,
-the policies' keys and the counters, returning every row's slot and the copies the data
+the policies' keys (and the admission filter's verdict on the rows entering a full
+device tier, :mod:`hiermem.core.admission`) and the counters, returning every row's slot and the copies the data
 plane must make (host->device, device->host, disk->device, disk->host).
 
 Arrays (all numpy, CPU): ``ix`` the index tuple (:mod:`hiermem.core.index`); a tier is
@@ -31,15 +32,17 @@ from .index import find, find1, insert1, remove1
 from .names import (  # noqa: F401  (the workspace rows, res entries and tmeta fields: re-exported)
     BASE, CAP, CAPACITY, DEV_EV, DIRECT, DISK, DN_DST, DN_SRC, ENTRY, FOUND, G, HOST_EV, IX_KIND, LFU_DECAY, M, MI,
     MOVED, N_DISK, N_DN, N_MOVE, N_SKIP, N_UP, N_VD, N_VH, N_WB, NA, NB, NC, NE, NEW_DST, NFREE, NPINNED, NRES,
-    NROWS, OK, ONDEV, PARAM_CODE, P_RM, RM_TAU, RM_VALID, SLOT, STATUS, SV_DIRTY, SV_K, SV_KEY, SV_PINS, SV_SCORE,
-    SV_T, SV_USES, UP_DST, UP_SRC, VD, VH, WB)
+    NROWS, OK, ONDEV, PARAM_CODE, P_RM, RH, RM_TAU, RM_VALID, SLOT, STATUS, SV_DIRTY, SV_K, SV_KEY, SV_PINS,
+    SV_SCORE, SV_T, SV_USES, UP_DST, UP_SRC, VD, VH, WB)
 from .names import C_DEVICE as _DEV, C_DISK as _DISK, C_HOST as _HOST  # counters [table, tier, stat]
 from .names import EVICTIONS as _EVICTIONS, HITS as _HITS, LOOKUPS as _LOOKUPS, MISSES as _MISSES
 from .names import WRITEBACKS as _WRITEBACKS
 from .jit import inline, kernel, leaf, prefetch, tiny
-from .names import ARC, FIRST_QUEUE, LOOKAHEAD, PARAM_BASE, S3FIFO
-from .policy import SOON, outside_key, touch
-from .queues import carry as qcarry, premiss, rowhash
+from .names import A_ON, ARC, FIRST_QUEUE, LOOKAHEAD, PARAM_BASE, S3FIFO
+from .admission import estimate as adm_estimate, record as adm_record, record_batch as adm_record_batch
+from .admission import set_slot_hash, slot_hash, victims_max
+from .policy import SOON, outside_key, probation, touch
+from .queues import carry as qcarry, premiss
 from .victims import drop, set_key, victims_
 
 AHEAD = 8  # rows ahead whose slot state the swap loops prefetch
@@ -140,7 +143,7 @@ def decide_(ix, dev, dpol, host, hpol, bt, bk, ws, res):
     vd, vh = ws[VD], ws[VH]
     if n_vd:
         if np.int64(dparams[PARAM_CODE]) == ARC or np.int64(dparams[PARAM_CODE]) == S3FIFO:
-            premiss(dparams, drm, dhs, bt, bk, mi, n_move)  # the misses meet the ghosts first
+            premiss(dparams, drm, dhs, ws[RH], mi, n_move)  # the misses meet the ghosts first
         got = victims_(dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss, dkt, dpins, dmark, n_vd, dev_ev,
                        D - dnfree, vd)
         assert got == n_vd
@@ -177,7 +180,9 @@ def decide_(ix, dev, dpol, host, hpol, bt, bk, ws, res):
 
 @kernel
 def decide(ix, dev, dpol, host, hpol, bt, bk, ws, res):
-    """Decide the placement of distinct rows ``(bt[i], bk[i])`` (int64 ``[U]``).
+    """Decide the placement of distinct rows ``(bt[i], bk[i])`` (int64 ``[U]``), whose
+    hashes the caller has set in ``ws[RH]`` where a policy uses them (queue policies, the
+    admission filter: :func:`hiermem.store.placing.place` has its backing set them).
 
     Fills ``ws[G]`` (each row's global slot or -1), ``ws[MI]`` (positions of device
     misses), ``ws[VD]``/``ws[VH]`` (victims, smallest key first), ``ws[DISK]`` (positions
@@ -221,6 +226,20 @@ def _evict1(meta, slot_of, rev, tab, kt, dirty, pins, free, tm, s, counters, tco
         counters[t, tcode, _WRITEBACKS] += 1
     remove1(meta, slot_of, rev, tab, tm[BASE] + s)
     _free(kt, dirty, pins, free, tm, s)
+
+
+@leaf
+def _admit_many(key, score, uses, params, rm, hk, hs, mi, n, slot, rh, full, vmax):
+    """The admission filter (:mod:`hiermem.core.admission`) over the misses ``mi[:n]``
+    that entered the device tier (now in ``slot[mi[j]]``, hashes ``rh``): each slot
+    learns its row's hash; when the tier was ``full``, a row whose estimate does not beat
+    ``vmax`` (its victims' largest) is put on probation."""
+    for j in range(n):
+        i = mi[j]
+        s = slot[i]
+        set_slot_hash(rm, hs, s, rh[i])
+        if full and adm_estimate(rm, hs, rh[i]) <= vmax:
+            probation(params, key, score, uses, rm, hk, hs, s)
 
 
 @leaf
@@ -349,22 +368,22 @@ def _restore_many(meta, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, s
 
 @tiny
 def _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, uses, params, rm, hk, hs, d, t, k, c,
-          cnt, g):
-    """Row ``(t, k)``, used ``cnt`` times, the last at ``c``, enters free slot ``d``
-    (global slot ``g``)."""
+          cnt, g, h):
+    """Row ``(t, k)`` (hash ``h``), used ``cnt`` times, the last at ``c``, enters free
+    slot ``d`` (global slot ``g``)."""
     kt[d] = t
     kk[d] = k
     dirty[d] = False
     pins[d] = 0
     if np.int64(params[PARAM_CODE]) >= FIRST_QUEUE:  # ghosts and sketches know rows by their hash
-        uses[d] = rowhash(t, k)
+        uses[d] = h
     insert1(meta, offsets, slot_of, rev, tab, t, k, g)
     touch(key, score, uses, params, rm, hk, hs, d, c, cnt, True)
 
 
 @leaf
 def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, key, score, uses, params, rm, hk, hs,
-              pos, n, bt, bk, clock, counts, slot, new_dst, jd):
+              pos, n, bt, bk, rh, clock, counts, slot, new_dst, jd):
     """Rows ``pos[:n]`` of the batch enter the tier (from disk or the initialiser) in the
     next ``n`` free slots: ``slot[pos[j]]`` and ``new_dst[jd + j]`` (global) get them."""
     tm[NFREE] -= n
@@ -382,7 +401,7 @@ def _new_many(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, free, tm, k
         d = free[base + j]
         i = pos[j]
         _new1(meta, offsets, slot_of, rev, tab, kt, kk, dirty, pins, key, score, uses, params, rm, hk, hs, d, bt[i],
-              bk[i], clock[i], counts[i], tm[BASE] + d)
+              bk[i], clock[i], counts[i], tm[BASE] + d, rh[i])
         slot[i] = d
         new_dst[jd + j] = tm[BASE] + d
 
@@ -439,6 +458,8 @@ def hit1(counters, t, key, score, uses, params, rm, hk, hs, s, clock, count):
     replay's device hit, which skips :func:`decide_` too)."""
     counters[t, _DEV, _LOOKUPS] += count
     counters[t, _DEV, _HITS] += count
+    if rm[A_ON] != 0:  # the admission filter counts the access
+        adm_record(rm, hs, slot_hash(rm, hs, s))
     touch(key, score, uses, params, rm, hk, hs, s, clock, count, False)
 
 
@@ -474,7 +495,11 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
             pos[nh] = i
             sl[nh] = gi
             nh += 1
+    admission = drm[A_ON] != 0
+    rh = ws[RH]
     if account:
+        if admission:  # the filter counts the batch's accesses (each distinct row once)
+            adm_record_batch(drm, dhs, rh, U)
         if nh:
             _touch_many(dkey, dscore, duses, dparams, drm, dhk, dhs, sl, pos, nh, clock, counts, False)
         _account(bt, counts, g, mi, m, D, ws, res, counters)
@@ -482,6 +507,9 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
         return
     n_move, n_skip, n_vd = res[N_MOVE], res[N_SKIP], res[N_VD]
     vd = ws[VD]
+    vmax = np.int64(-1)
+    if admission and n_vd:  # the device is full: rows entering must beat its victims (before their slots go)
+        vmax = victims_max(drm, dhs, vd, n_vd)
     # (each helper call passes every array once, about a microsecond: skipped when idle)
     if res[N_VH]:
         _evict_many(meta, slot_of, rev, tab, hkt, hdirty, hpins, hfree, htm, ws[VH], res[N_VH], counters, np.int64(_HOST))
@@ -554,17 +582,19 @@ def commit_(ix, dev, dpol, host, hpol, bt, bk, clock, counts, account, ws, res, 
         dtm[NFREE] -= 1
         d = dfree[dtm[NFREE]]
         _new1(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dkey, dscore, duses, dparams, drm, dhk, dhs,
-              d, bt[i], bk[i], clock[i], counts[i], dtm[BASE] + d)
+              d, bt[i], bk[i], clock[i], counts[i], dtm[BASE] + d, rh[i])
         slot[i] = d
         new_dst[0] = dtm[BASE] + d
     elif jb:
         _new_many(meta, offsets, slot_of, rev, tab, dkt, dkk, ddirty, dpins, dfree, dtm, dkey, dscore, duses, dparams,
-                  drm, dhk, dhs, pb, jb, bt, bk, clock, counts, slot, new_dst, np.int64(0))
+                  drm, dhk, dhs, pb, jb, bt, bk, rh, clock, counts, slot, new_dst, np.int64(0))
     if account and jc:
         _touch_many(hkey, hscore, huses, hparams, hrm, hhk, hhs, sl, pc, jc, clock, counts, False)
     if je:
         _new_many(meta, offsets, slot_of, rev, tab, hkt, hkk, hdirty, hpins, hfree, htm, hkey, hscore, huses, hparams,
-                  hrm, hhk, hhs, pe, je, bt, bk, clock, counts, slot, new_dst, jb)
+                  hrm, hhk, hhs, pe, je, bt, bk, rh, clock, counts, slot, new_dst, jb)
+    if admission:
+        _admit_many(dkey, dscore, duses, dparams, drm, dhk, dhs, mi, n_move, slot, rh, n_vd > 0, vmax)
 
 
 @leaf

@@ -13,6 +13,12 @@ for tools and tests.
 
 Victims come from the tier's reservoir (:mod:`hiermem.core.victims`): exact, without a
 pass over the tier per evicting batch.
+
+Every policy takes ``admission``: ``"off"`` (the default) or ``"tinylfu"``, a frequency
+filter in front of the device tier (:mod:`hiermem.core.admission`): a row entering the
+full device tier stays only if its estimated frequency beats its victims'; else it is
+the next victim.  It is a parameter like any other (a policy file's ``[params]``,
+``PolicySpec(name, {"admission": "tinylfu"})``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from . import admission as _adm
 from . import policy as _pk
 from . import queues as _qk
 from . import names as _names
@@ -41,6 +48,9 @@ class EvictionPolicy:
     Args:
         capacity: number of slots.
         device: ignored (the control plane is always on the CPU); kept for callers.
+        admission: ``"off"`` or ``"tinylfu"``: the frequency filter in front of the
+            device tier (:mod:`hiermem.core.admission`; the tier that holds the policy
+            turns it on, :meth:`attach_admission`: the host tier never does).
     """
 
     name: ClassVar[str]
@@ -50,9 +60,11 @@ class EvictionPolicy:
     #: the simulator call it only for them).
     wants_lookahead: ClassVar[bool] = False
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", **params: Any):
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", admission: str = "off", **params: Any):
         if params:
             raise PolicyFileError(f"policy {self.name!r} takes no parameters {sorted(params)}")
+        self.admission = _admission(admission)
+        self._hashes = _qk.is_queue(self.code)
         self.capacity = C = int(capacity)
         self._key = np.zeros(C, dtype=np.int64)
         self._score = np.zeros(C, dtype=np.float64)
@@ -75,6 +87,38 @@ class EvictionPolicy:
     def _params(self) -> list[float]:
         return [float(self.code), 0.0, 0.0, 0.0]
 
+    def attach_admission(self) -> None:
+        """Turn the admission filter on, if the policy was built with one: its sketch and
+        per-slot row hashes go in a region of the state's ``hs`` past the policy's own
+        (a device tier calls this once, before any row enters)."""
+        if self.admission == "off" or self.filtering:
+            return
+        st = list(self.state)
+        hs = st[_names.P_HEAP_S]
+        off = hs.size
+        grown = np.zeros(off + _adm.size(self.capacity), dtype=np.int64)
+        grown[:off] = hs
+        st[_names.P_HEAP_S] = grown
+        self.state = tuple(st)
+        _adm.init(st[_names.P_RM], grown, off, self.capacity, _adm.ADMISSIONS[self.admission])
+        self._hashes = True
+
+    @property
+    def filtering(self) -> bool:
+        """Whether the admission filter is on (:meth:`attach_admission`)."""
+        return bool(self.state[_names.P_RM][_names.A_ON])
+
+    @property
+    def hashes(self) -> bool:
+        """Whether the placement must give this policy its rows' hashes (``ws[RH]``): a
+        queue policy's, or one with the admission filter on."""
+        return self._hashes
+
+    def _reset_admission(self) -> None:
+        rm = self.state[_names.P_RM]
+        if rm[_names.A_ON]:
+            _adm.init(rm, self.state[_names.P_HEAP_S], int(rm[_names.A_HASH]), self.capacity, int(rm[_names.A_ON]))
+
     @property
     def incremental(self) -> bool:
         return _pk.incremental(self.code)
@@ -94,9 +138,10 @@ class EvictionPolicy:
         self.state[4][_vk.SCAN_ONLY] = 0 if on else 1
 
     def reset(self) -> None:
-        """Forget the victim search (every slot was emptied)."""
+        """Forget the victim search and the admission filter's counts (every slot was emptied)."""
         rm = self.state[4]
         rm[:_vk.SCAN_ONLY] = 0
+        self._reset_admission()
 
     def on_access(self, slots, clock, counts) -> None:
         """Resident ``slots`` were used ``counts`` times, last at access ``clock``."""
@@ -279,6 +324,15 @@ def resolve_policy(policy: str | os.PathLike) -> PolicySpec:
         raise PolicyFileError(f"{path}: bad parameters for {name!r}: {e}") from e
     return spec
 
+def _admission(v) -> str:
+    """A policy's ``admission`` parameter, checked."""
+    if not isinstance(v, str):
+        raise InvalidTypeError(f"admission must be one of {sorted(_adm.ADMISSIONS)}, got {v!r}")
+    if v not in _adm.ADMISSIONS:
+        raise InvalidArgumentError(f"admission must be one of {sorted(_adm.ADMISSIONS)}, got {v!r}")
+    return v
+
+
 def _number(name: str, v, lo: float, integer: bool = False):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise InvalidTypeError(f"{name} must be {'an int' if integer else 'a number'}, got {v!r}")
@@ -312,10 +366,10 @@ class LFUDecay(EvictionPolicy):
                 for a in (1, 2)]
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu", half_life: float = 100_000.0,
-                 admit: int = 1):
+                 admit: int = 1, admission: str = "off"):
         self.half_life = float(_number("half_life", half_life, 1e-9))
         self.admit = int(_number("admit", admit, 1, integer=True))
-        super().__init__(capacity, device)
+        super().__init__(capacity, device, admission)
 
     def _params(self) -> list[float]:
         return [float(self.code), self.half_life, float(self.admit), 0.0]
@@ -330,12 +384,12 @@ class QueuePolicy(EvictionPolicy):
     the state tuple's heap arrays hold the lists, ghosts and sketch, ``score`` a per-slot
     count, ``uses`` each row's hash; the reservoir is not used."""
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", **params: Any):
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", admission: str = "off", **params: Any):
         self._qparams = params
-        super().__init__(capacity, device)
+        super().__init__(capacity, device, admission)
         C = self.capacity
         nhk, nhs = _qk.layout(self.code, C, params)
-        rm = np.zeros(_names.Q_RMSIZE, dtype=np.int64)
+        rm = np.zeros(_names.RM_ALL, dtype=np.int64)
         hk = np.empty(max(1, nhk), dtype=np.int64)
         hs = np.zeros(max(1, nhs), dtype=np.int64)
         st = list(self.state)
@@ -370,6 +424,7 @@ class QueuePolicy(EvictionPolicy):
             st[_names.P_PARAMS][1] = 0.0  # p
         if self.wants_lookahead:  # lookahead's base
             st[_names.P_RM][_names.Q_LA] = 1
+        self._reset_admission()  # (init_state zeroed its region with the rest of hs)
 
     def victims(self, n: int, evictable: torch.Tensor) -> torch.Tensor:
         """``n`` slots to evict, in the order the policy evicts them, among the slots of
@@ -413,8 +468,8 @@ class Sieve(QueuePolicy):
     name = "sieve"
     code = _names.SIEVE
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu"):
-        super().__init__(capacity, device)
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", admission: str = "off"):
+        super().__init__(capacity, device, admission)
 
 
 @register_policy
@@ -439,14 +494,14 @@ class S3FIFO(QueuePolicy):
         return [{"small": f} for f in (0.05, 0.10, 0.20)]
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu", small: float = 0.10, ghost: float = 0.90,
-                 threshold: int = 2):
+                 threshold: int = 2, admission: str = "off"):
         small = _ratio("small", small, 0.0, 1.0)
         ghost = float(_number("ghost", ghost, 0.0))
         threshold = int(_number("threshold", threshold, 1, integer=True))
         if threshold != 2:
             raise InvalidArgumentError("threshold: only 2 (libCacheSim's default) is compiled")
         self.small, self.ghost, self.threshold = small, ghost, threshold
-        super().__init__(capacity, device, small=small, ghost=ghost)
+        super().__init__(capacity, device, admission, small=small, ghost=ghost)
 
     def _params(self) -> list[float]:
         return [float(self.code), self.small, self.ghost, float(self.threshold)]
@@ -460,8 +515,8 @@ class ARCPolicy(QueuePolicy):
     name = "arc"
     code = _names.ARC
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu"):
-        super().__init__(capacity, device)
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", admission: str = "off"):
+        super().__init__(capacity, device, admission)
 
 
 @register_policy
@@ -481,9 +536,10 @@ class WTinyLFU(QueuePolicy):
     def tune_grid(accesses: int) -> list[dict]:
         return [{"window": f} for f in (0.01, 0.10)]
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", window: float = 0.01):
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", window: float = 0.01,
+                 admission: str = "off"):
         self.window_share = _ratio("window", window, 0.0, 1.0)
-        super().__init__(capacity, device, window=self.window_share)
+        super().__init__(capacity, device, admission, window=self.window_share)
 
     def _params(self) -> list[float]:
         return [float(self.code), self.window_share, 0.0, 0.0]
@@ -514,15 +570,16 @@ class Lookahead(EvictionPolicy):
             queues pass over the window's rows until no other row is left; then the
             furthest next use goes first).  Built as that policy with lookahead on.
         half_life, admit: ``lfu_decay``'s, when it is the base.
+        admission: the admission filter (any base).
     """
 
     def __new__(cls, capacity: int, device: torch.device | str = "cpu", window: int = 0, base: str = "lru",
-                **params: Any):
+                admission: str = "off", **params: Any):
         if base not in _QUEUE_BASES:
             return super().__new__(cls)
         if params:
             raise PolicyFileError(f"lookahead over {base!r} takes no parameters {sorted(params)} (its defaults)")
-        pol = POLICIES[base](capacity, device)
+        pol = POLICIES[base](capacity, device, admission=admission)
         pol.wants_lookahead = True
         pol.window = int(_number("window", window, 0, integer=True))
         pol.base = base
@@ -542,7 +599,7 @@ class Lookahead(EvictionPolicy):
             {"window": 8, "base": "lfu_decay", "half_life": float(max(1.0, round(accesses * 0.03)))}]
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu", window: int = 0, base: str = "lru",
-                 half_life: float = 100_000.0, admit: int = 1):
+                 half_life: float = 100_000.0, admit: int = 1, admission: str = "off"):
         self.window = int(_number("window", window, 0, integer=True))
         if base not in _LOOKAHEAD_BASES:
             raise InvalidArgumentError(f"base must be one of {sorted(_LOOKAHEAD_BASES) + list(_QUEUE_BASES)}, "
@@ -550,7 +607,7 @@ class Lookahead(EvictionPolicy):
         self.base = base
         self.half_life = float(_number("half_life", half_life, 1e-9))
         self.admit = int(_number("admit", admit, 1, integer=True))
-        super().__init__(capacity, device)
+        super().__init__(capacity, device, admission)
         st = list(self.state)  # base keys and next uses per slot (the reservoir is not used)
         C = self.capacity
         st[_names.P_HEAP_K] = np.zeros(max(C, st[_names.P_HEAP_K].size), dtype=np.int64)

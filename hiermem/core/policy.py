@@ -16,6 +16,11 @@ policy's code and parameters.  Float orders (``lfu_decay``'s decayed counts) bec
 keys through an order-preserving bit map (:func:`f2key`), so every policy shares one
 integer victim search.
 
+The admission filter (:mod:`hiermem.core.admission`) works with every policy through
+:func:`probation`: a refused row's key drops below every other (LRU and LFU keys by
+``REFUSED_SHIFT``, lfu_decay's score by ``REFUSED_FLOOR``; a queue policy's row goes to
+its ``Q_ADM`` list), and its next use computes its key as usual.
+
 Adding a policy: give it a code below, a branch in :func:`new_key` (and
 :func:`lookahead_keys` if it uses future ids), and a class in :mod:`hiermem.core.policies`
 naming the code and its parameters; the contract suite runs it compiled and interpreted.
@@ -27,7 +32,7 @@ import math
 
 import numpy as np
 
-from .jit import f64_bits, kernel, tiny
+from .jit import f64_bits, helper, kernel, tiny
 from .names import LFU, LFU_DECAY, LOOKAHEAD, LRU  # noqa: F401  (the policy codes)
 from .names import FIRST_QUEUE
 from . import queues as _q
@@ -40,6 +45,9 @@ _COUNT_MAX = (1 << 22) - 1
 SOON = 1 << 62  # lookahead: rows the next batches use (evicted after all others)
 NEXT_MAX = (1 << 21) - 1  # lookahead: next uses further ahead tie
 PROBATION = float(2 ** 41)  # lfu_decay: below any log2 score reached
+# rows the admission filter refused (hiermem.core.admission): below every other key
+REFUSED_SHIFT = 1 << 62  # LRU / LFU keys (>= 0 otherwise): the key minus this
+REFUSED_FLOOR = 4 * PROBATION  # lfu_decay: the score minus this (below lfu_decay's own probation)
 _LN2 = 0.6931471805599453
 
 
@@ -68,6 +76,8 @@ def _key_of(kind, params, prev, score, uses, s, clock, count, insert):
     if kind == LRU:
         return clock
     if kind == LFU:
+        if prev < 0:  # a refused row (admitted now)
+            prev += REFUSED_SHIFT
         c = count if insert else (prev >> CLOCK_BITS) + count
         return (min(c, _COUNT_MAX) << CLOCK_BITS) | (clock & _CLOCK_MASK)
     # LFU_DECAY: log2 of the sum of count * 2**(clock / half_life) over uses
@@ -122,6 +132,32 @@ def touch(key, score, uses, params, rm, hk, hs, s, clock, count, insert):
         key[s] = outside_key(base, b) if hs[s] < 0 else window_key(b, hs[s])
     else:
         set_key(key, rm, hk, hs, s, new_key(params, key, score, uses, s, clock, count, insert))
+
+
+@tiny
+def _refused(kind, k, sc):
+    """The key under key policy ``kind`` of a row the admission filter refused, whose
+    key is ``k`` and score ``sc``: below every admitted row's key, in the same order."""
+    if kind == LFU_DECAY:
+        return f2key(sc - REFUSED_FLOOR)
+    return k - REFUSED_SHIFT if k >= 0 else k
+
+
+@helper
+def probation(params, key, score, uses, rm, hk, hs, s):
+    """The admission filter refused the row that just entered slot ``s``: its key drops
+    below every admitted row's (a queue policy's row goes to ``Q_ADM``), so it is the
+    first victim, until its next use recomputes its key."""
+    code = np.int64(params[PARAM_CODE])
+    if code >= FIRST_QUEUE:
+        _q.refuse(rm, hk, s)
+    elif code == LOOKAHEAD:  # its base key; the window's order still comes first
+        base = np.int64(params[PARAM_BASE])
+        b = _refused(base, hk[s], score[s])
+        hk[s] = b
+        key[s] = outside_key(base, b) if hs[s] < 0 else window_key(b, hs[s])
+    else:
+        set_key(key, rm, hk, hs, s, _refused(code, key[s], score[s]))
 
 
 @kernel

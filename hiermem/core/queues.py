@@ -13,7 +13,12 @@ keeps, beside the per-slot arrays every policy has:
   carried between tiers) so ghosts and sketches know rows, not slots;
 * ghosts: up to two FIFO lists of row hashes (rings in ``hs`` with lazy deletion, and an
   open-addressing hash table over them: O(1) insert, lookup, removal);
-* W-TinyLFU's frequency sketch (a count-min sketch with minimal increment and halving).
+* W-TinyLFU's frequency sketch (a count-min sketch with minimal increment and halving,
+  :mod:`hiermem.core.sketch`).
+
+Queue ``Q_ADM`` (3, which no policy uses) holds the rows the admission filter refused
+(:mod:`hiermem.core.admission`): they are the first victims, oldest first, and a row
+used again there enters the policy's queues as a carried row would.
 
 Slots freed by the placement's other paths (a host row promoted to the device, a flush)
 leave their list node behind: a node whose slot is empty is unlinked when a victim walk
@@ -57,30 +62,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import sketch as _sk
 from .jit import helper, kernel, tiny
+from .sketch import rowhash
 from .names import (ARC, FIRST_QUEUE, G_CAP, G_HI, G_LIVE, G_LO, G_RING, G_RSZ, G_TABLE, G_TH, G_USED, K_ADDS, K_OFF,
-                    K_SAMPLE, K_W, PARAM_CODE, Q_LA, Q_C, Q_EVICTED, Q_FLAG, Q_GONE, Q_HAND, Q_HEAD, Q_MAIN, Q_NONE, Q_P,
-                    Q_PRE, Q_PROT, Q_RMSIZE, Q_SIZE, Q_SMALL, Q_TAIL, S3FIFO, SIEVE, WTINYLFU)
+                    K_SAMPLE, K_W, PARAM_CODE, Q_ADM, Q_LA, Q_C, Q_EVICTED, Q_FLAG, Q_GONE, Q_HAND, Q_HEAD, Q_MAIN,
+                    Q_NONE, Q_P, Q_PRE, Q_PROT, Q_RMSIZE, Q_SIZE, Q_SMALL, Q_TAIL, S3FIFO, SIEVE, WTINYLFU)
 
-_U = np.uint64
-_K1 = _U(0xBF58476D1CE4E5B9)
-_K2 = _U(0x94D049BB133111EB)
-_GOLD = _U(0x9E3779B97F4A7C15)
-NQ = 4  # queues a tier can have
-
-
-@tiny
-def _mix(x):
-    z = _U(x) + _GOLD
-    z = (z ^ (z >> _U(30))) * _K1
-    z = (z ^ (z >> _U(27))) * _K2
-    return z ^ (z >> _U(31))
-
-
-@tiny
-def rowhash(t, k):
-    """A nonzero int64 hash of row ``(t, k)`` (splitmix64)."""
-    return np.int64(_mix(np.int64(_mix(t)) ^ k) | _U(1))
+NQ = 4  # queues a tier can have (the last, Q_ADM, holds the rows the admission filter refused)
 
 
 def is_queue(code: int) -> bool:
@@ -113,12 +102,7 @@ def ghost_caps(code: int, C: int, params: dict) -> tuple[int, int]:
 
 
 def sketch_width(code: int, C: int) -> int:
-    if code != WTINYLFU:
-        return 0
-    w = 64
-    while w < 16 * C:
-        w *= 2
-    return w
+    return _sk.width(C, 16) if code == WTINYLFU else 0
 
 
 def init_state(code: int, capacity: int, params: dict, rm: np.ndarray, hk: np.ndarray, hs: np.ndarray) -> None:
@@ -345,29 +329,17 @@ def ghost_add(rm, hs, h, lst):
     _gput(rm, hs, h, 2 * p + lst + 1)
 
 
-# -- W-TinyLFU's sketch: 4 rows of K_W int64 counts at hs[K_OFF:] --------------------------
-
-@tiny
-def _kidx(rm, h, r):
-    return rm[K_OFF] + r * rm[K_W] + np.int64(_mix(h + r) & _U(rm[K_W] - 1))
-
+# -- W-TinyLFU's sketch: 4 rows of K_W int64 counts at hs[K_OFF:] (hiermem.core.sketch) --
 
 @helper
 def sketch_est(rm, hs, h):
-    m = hs[_kidx(rm, h, 0)]
-    for r in range(1, 4):
-        m = min(m, hs[_kidx(rm, h, r)])
-    return m
+    return _sk.estimate(hs, rm[K_OFF], rm[K_W], h)
 
 
 @helper
 def sketch_add(rm, hs, h):
     """Minimal increment: only the counts at the row's minimum grow."""
-    m = sketch_est(rm, hs, h)
-    for r in range(4):
-        i = _kidx(rm, h, r)
-        if hs[i] == m:
-            hs[i] = m + 1
+    _sk.increment(hs, rm[K_OFF], rm[K_W], h)
 
 
 @helper
@@ -376,9 +348,7 @@ def _sketch_main_hit(rm, hs, h):
     rm[K_ADDS] += 1
     if rm[K_ADDS] >= rm[K_SAMPLE]:
         rm[K_ADDS] = 0
-        o, w = rm[K_OFF], rm[K_W]
-        for i in range(4 * w):
-            hs[o + i] >>= 1
+        _sk.halve(hs, rm[K_OFF], rm[K_W])
 
 
 # -- accesses ----------------------------------------------------------------------------
@@ -454,7 +424,9 @@ def access(params, code, key, score, uses, rm, hk, hs, s, clock, count, insert):
         hk[2 * rm[Q_C] + s] = Q_NONE
         _enter(params, code, score, uses, rm, hk, hs, s, True)
         return
-    if q < 0 or q >= Q_GONE:  # a victim whose eviction did not happen, or a carried key
+    if q < 0 or q >= Q_GONE or q == Q_ADM:  # a victim whose eviction did not happen, a carried key,
+        if q == Q_ADM:  # or a row the admission filter refused: used again, it enters the queues
+            _unlink(rm, hk, s)
         hk[2 * rm[Q_C] + s] = Q_NONE
         _enter(params, code, score, uses, rm, hk, hs, s, False)
     _hit(params, code, score, uses, rm, hk, hs, s, count)
@@ -485,20 +457,19 @@ def _arc_adapt(params, rm, g):
 
 
 @helper
-def premiss(params, rm, hs, bt, bk, mi, n):
+def premiss(params, rm, hs, rh, mi, n):
     """The batch's misses ``mi[:n]`` (those entering the tier) meet the ghosts before the
     victims are picked, in libCacheSim's order.  ARC: a miss a ghost holds adapts ``p``
     (the last one's ghost picks REPLACE's tie).  S3-FIFO: it leaves the ghost (so the
     victims' ghost entries cannot push it out) for the pending list, which its insert
-    reads."""
+    reads.  ``rh``: the batch rows' hashes."""
     code = np.int64(params[PARAM_CODE])
     rm[Q_FLAG] = rm[Q_PRE] = 0
     if (code != ARC and code != S3FIFO) or rm[G_LIVE] == 0:
         if code != ARC or rm[G_LIVE + 1] == 0:
             return
     for j in range(n):
-        i = mi[j]
-        h = rowhash(bt[i], bk[i])
+        h = rh[mi[j]]
         g = ghost_of(rm, hs, h)
         if g < 0:
             continue
@@ -533,9 +504,25 @@ def _arc_replace(params, uses, rm, hk, hs, keys_t, pins, mark, l2):
 
 
 @helper
+def refuse(rm, hk, s):
+    """The admission filter refused the row that entered slot ``s``: off its queue, onto
+    ``Q_ADM``, whose oldest row is the next victim."""
+    q = _qid(rm, hk, s)
+    if q >= 0 and q < Q_GONE:
+        _unlink(rm, hk, s)
+    _push(rm, hk, Q_ADM, s)
+
+
+@helper
 def _one(params, code, score, uses, rm, hk, hs, keys_t, pins, mark):
-    """One victim (taken off its list), or -1."""
+    """One victim (taken off its list), or -1: the rows the admission filter refused
+    first (no ghost remembers them), then the policy's own."""
     C = rm[Q_C]
+    if rm[Q_SIZE + Q_ADM] > 0:
+        s = _tail(rm, hk, Q_ADM, keys_t, pins, mark)
+        if s >= 0:
+            _take(rm, hk, s)
+            return s
     if code == SIEVE:
         s = rm[Q_HAND]
         if s < 0 or _qid(rm, hk, s) != 0:
@@ -729,7 +716,7 @@ def check(rm, hk, keys_t):
 
 
 __all__ = ["Q_RMSIZE", "access", "premiss", "carry", "check", "ghost_add", "ghost_del", "ghost_of", "init_state",
-           "is_queue", "layout", "rowhash", "sketch_add", "sketch_est", "victims"]
+           "is_queue", "layout", "refuse", "rowhash", "sketch_add", "sketch_est", "victims"]
 
 
 @kernel

@@ -21,7 +21,7 @@ import numpy as np
 from .index import find1
 from .jit import kernel, leaf, prefetch
 from .victims import _sort_pairs
-from .names import BASE, CAP, CAPACITY, DIRECT, IX_KIND, ONDEV, SLOT, STATUS
+from .names import A_ON, BASE, CAP, CAPACITY, DIRECT, FIRST_QUEUE, IX_KIND, ONDEV, PARAM_CODE, RH, SLOT, STATUS
 from .names import IO_UPDATED_ROWS as _UPDATED, IO_UPDATES as _UPDATES
 from .plan import commit_, decide_, hit1
 from .written import fetch_, moved_, write_back_
@@ -31,13 +31,15 @@ _AHEAD = 32  # ids ahead whose tag the dedup prefetches (19 -> 11 ns an id, 10M 
 
 
 @leaf
-def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io, row_bytes,
-         ws, res, scratch, u0, i, c0):
+def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, row_hash, written, updates, counters, io,
+         row_bytes, ws, res, scratch, u0, i, c0):
     """Replay batch ``i`` (when it has more than one id, its ``u0`` distinct rows are in
     ``scratch[:4, :u0]``: tables, ids, last clocks, counts, from :func:`_dedup`), then the
     batches after it up to the next one of more than one id.  Returns the next batch and
     the clock, or ``(-1 - i, c0)`` when batch ``i`` does not fit the tiers.  A
-    :func:`~hiermem.core.jit.leaf`: no reference counting in the per-access loop."""
+    :func:`~hiermem.core.jit.leaf`: no reference counting in the per-access loop.
+    ``row_hash``: each dense row's hash where a policy uses them (the store's,
+    :func:`hiermem.core.sketch.rowhash` of its table and id), else unread."""
     meta, offsets_, slot_of, rev, tab = ix
     dkt, dkk, ddirty, dpins, dfree, dtm, dmark = dev
     dkey, dscore, duses, dparams, drm, drs, drk, dhk, dhs, dsk, dss = dpol
@@ -49,6 +51,9 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
     nb = offsets.size - 1
     start = i
     direct = meta[IX_KIND] == DIRECT  # a direct index: an id's entry is known without probing
+    hashing = (np.int64(dparams[PARAM_CODE]) >= FIRST_QUEUE or np.int64(hparams[PARAM_CODE]) >= FIRST_QUEUE
+               or drm[A_ON] != 0)
+    rh = ws[RH]
     while i < nb:
         a, b = offsets[i], offsets[i + 1]
         n = b - a
@@ -84,10 +89,15 @@ def _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, writt
             bk[0] = k
             clock[0] = c0
             counts[0] = 1
+            if hashing:
+                rh[0] = row_hash[r]
         else:
             if i != start:  # a later batch of more than one id: deduplicated by the caller
                 return i, c0
             u = u0
+            if hashing:
+                for j in range(u):
+                    rh[j] = row_hash[row_base[bt[j]] + bk[j]]
         t_, k_, cl_, cn_ = bt[:u], bk[:u], clock[:u], counts[:u]
         decide_(ix, dev, dpol, host, hpol, t_, k_, ws, res)
         if res[STATUS] == CAPACITY:
@@ -152,11 +162,13 @@ def _dedup(rows, a, b, table_of_row, row_base, tag, i, c0, scratch):
 
 
 @kernel
-def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters, io,
-           row_bytes, ws, res, clock0):
+def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, row_hash, written, updates, counters,
+           io, row_bytes, ws, res, clock0):
     """Replay batches ``rows[offsets[i]:offsets[i + 1]]`` (dense row numbers, int64) in
     order.  ``table_of_row``/``row_base``: each dense row's table and the first dense
-    row of each table (index keys are ``(table, row - row_base[table])``); ``written``
+    row of each table (index keys are ``(table, row - row_base[table])``); ``row_hash``
+    (int64 per dense row): the store's hash of each row, read where a policy uses them
+    (queue policies, the admission filter; else one entry will do); ``written``
     (uint8 per row): has an LMDB copy.  Returns the clock after the last batch, or
     ``-1 - i`` when batch ``i`` does not fit the tiers (nothing of it applied).
 
@@ -177,8 +189,8 @@ def replay(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, wri
         u0 = np.int64(0)
         if b - a > 1:
             u0 = _dedup(rows, a, b, table_of_row, row_base, tag, i, c0, scratch)
-        i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters,
-                     io, row_bytes, ws, res, scratch, u0, i, c0)
+        i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, row_hash, written, updates,
+                     counters, io, row_bytes, ws, res, scratch, u0, i, c0)
         if i < 0:
             return i
     return c0
@@ -195,8 +207,8 @@ def dedup_batch(rows, offsets, table_of_row, row_base, tag, i, clock0, scratch):
 PIPELINE_IDS = 4096  # mean ids of a multi-id batch from which replay_pipelined pays (2 handoffs a batch)
 
 
-def replay_pipelined(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates, counters,
-                     io, row_bytes, ws, res, clock0, depth: int = 2):
+def replay_pipelined(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, row_hash, written, updates,
+                     counters, io, row_bytes, ws, res, clock0, depth: int = 2):
     """:func:`replay` on two threads: a worker deduplicates the batches of more than one
     id (:func:`dedup_batch`, which reads only the trace) up to ``depth`` batches ahead,
     while this thread places them (:func:`_run`, the same compiled placement).  Both
@@ -237,8 +249,8 @@ def replay_pipelined(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row
                 j, u0, scratch = item
                 assert j == i, (j, i)
                 k += 1
-            i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, written, updates,
-                         counters, io, row_bytes, ws, res, scratch, u0, i, c0)
+            i, c0 = _run(ix, dev, dpol, host, hpol, rows, offsets, table_of_row, row_base, row_hash, written,
+                         updates, counters, io, row_bytes, ws, res, scratch, u0, i, c0)
             if scratch is not single:
                 bufs.put(scratch)
             if i < 0:

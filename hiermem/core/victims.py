@@ -35,15 +35,16 @@ from .names import FIRST_QUEUE as _FIRST_QUEUE
 from .names import (RM_BUILDS as _BUILDS, RM_HLEN as _HLEN, RM_POS as _POS, RM_RLEN as _RLEN,
                     RM_SCAN_ONLY as SCAN_ONLY, RM_SCANS as _SCANS, RM_TAU as _TAU, RM_VALID as _VALID)
 from .names import (LOOKAHEAD as _LOOKAHEAD, LRU as _LRU, PARAM_CODE, P_HEAP_K, P_HEAP_S, P_KEY, P_RM, P_RUN_K,
-                    P_RUN_S, RM_SIZE)
+                    P_RUN_S, RM_ALL)
 FRACTION = 8  # a build keeps about this fraction of the occupied slots
 _AHEAD = 16  # run entries ahead whose slot record the walk prefetches
 INT64_MAX = np.iinfo(np.int64).max
 
 
 def new_state(capacity: int) -> np.ndarray:
-    """``rmeta`` of an empty victim search (no reservoir yet)."""
-    return np.zeros(RM_SIZE, dtype=np.int64)
+    """``rmeta`` of an empty victim search (no reservoir yet), with room for the
+    admission filter's fields (:mod:`hiermem.core.admission`)."""
+    return np.zeros(RM_ALL, dtype=np.int64)
 
 
 def heap_capacity(capacity: int) -> int:

@@ -66,3 +66,11 @@ def write_back(ws, res, dkt, dkk, hkt, hkk, D, Hb, row_base, written, io, row_by
 def moved(res, io, row_bytes):
     """:func:`moved_` (called after ``commit``)."""
     moved_(res, io, row_bytes)
+
+
+@kernel
+def row_hashes(bt, bk, row_base, row_hash, out):
+    """``out[i]``: the hash of row ``(bt[i], bk[i])``, looked up in ``row_hash`` (int64 per
+    dense row: the store's hash of the row's table and id, :func:`hiermem.core.sketch.rowhash`)."""
+    for i in range(bk.size):
+        out[i] = row_hash[row_base[bt[i]] + bk[i]]

@@ -53,6 +53,7 @@ from ..core.index import KeyIndex
 from ..core.jit import announce_compile
 from ..core.names import M
 from ..core.replay import PIPELINE_IDS, rank_dense, replay, replay_pipelined
+from ..core.sketch import row_hashes
 from ..observe.stats import IO, STAT_TIERS, Counters, Stat
 from ..tiers.slots import SlotTier
 from ..types import Tier
@@ -234,6 +235,17 @@ class _Batches:
         self.offsets_np = trace.batch_offsets
         self.n = trace.num_batches
         self.max_batch = int(np.diff(self.offsets_np).max()) if self.n else 1
+        self._ids = trace.ids
+
+    def row_hashes(self) -> np.ndarray:
+        """Each dense row's hash as the store computes it, of its table and id
+        (:func:`hiermem.core.sketch.rowhash`): queue policies and the admission filter
+        then know a row by the same hash as in the store that captured the trace."""
+        ids = np.zeros(self.num_rows, dtype=np.int64)
+        ids[self.dense.numpy()] = self._ids  # every access writes its row's id
+        out = np.empty(self.num_rows, dtype=np.int64)
+        row_hashes(self.table_of_row.numpy(), ids, out)
+        return out
 
     @property
     def offsets(self) -> list[int]:
@@ -298,12 +310,16 @@ class Simulator:
         self._dev = SlotTier(Tier.DEVICE, D, 0, _CPU, self.spec, base=0)
         self._host = SlotTier(Tier.HOST, H, 0, _CPU, self.spec, base=D)
         self._written = np.zeros(self.b.num_rows, dtype=np.uint8)  # has an LMDB copy
+        # the store's row hashes, where a policy knows rows by them
+        hashes = self._dev.policy.hashes or self._host.policy.hashes
+        self._row_hash = self.b.row_hashes() if hashes else np.zeros(1, dtype=np.int64)
         self._work = Workspace()
         self._epoch = 0
         self.counters = Counters(len(self.trace.tables))
         self._io = self.counters.io.numpy()
         self._table = self.counters.table.numpy()
-        self._backing = WrittenRows(self._dev, self._host, self.b.row_base, self._written, self._io, config.row_bytes)
+        self._backing = WrittenRows(self._dev, self._host, self.b.row_base, self._written, self._io, config.row_bytes,
+                                    self._row_hash)
         self._tiers = _Tiers(self._keys, self._dev, self._host)
         self._prefetches = Prefetches(self._tiers, self.counters, None)  # the store's: admission, pins, revokes
         self._clock = 0
@@ -405,7 +421,7 @@ class Simulator:
                      threads > 1 and multi.size > 1 and multi.mean() >= PIPELINE_IDS)
         out = (replay_pipelined if pipelined else replay)(
             self._keys.arrays, dev.state, dev.policy.state, host.state, host.policy.state,
-            b.dense.numpy(), b.offsets_np, b.table_of_row.numpy(), b.row_base,
+            b.dense.numpy(), b.offsets_np, b.table_of_row.numpy(), b.row_base, self._row_hash,
             self._written, bool(self.updates), self.counters.table.numpy(), self._io,
             self.config.row_bytes, *_plan.workspace(b.max_batch), self._clock)
         if out < 0:

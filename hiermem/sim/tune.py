@@ -81,14 +81,20 @@ class Candidate:
         return f"{self.policy}({p}) D={self.device_rows} H={self.host_rows} k={self.prefetch_depth}"
 
 
+#: the admission filters tried beside none (``admission``, a parameter of every policy)
+ADMISSION_GRID = ("tinylfu",)
+
+
 def policy_grid(accesses: int) -> list[tuple[str, tuple]]:
     """Every registered policy with the parameter sets to try: a policy class's
     ``tune_grid(accesses)`` where it has one (lfu_decay's half-lives relative to the
     trace length, S3-FIFO's small-queue shares, W-TinyLFU's windows, lookahead's windows
-    and bases), else its defaults alone."""
+    and bases), else its defaults alone; and its first set again with each admission
+    filter of ``ADMISSION_GRID`` (so each family is ranked with and without one)."""
     grid: list[tuple[str, tuple]] = []
     for name, cls in POLICIES.items():
         sets = cls.tune_grid(accesses) if hasattr(cls, "tune_grid") else [{}]
+        sets = list(sets) + [{**sets[0], "admission": a} for a in ADMISSION_GRID]
         grid.extend((name, tuple(sorted(p.items()))) for p in sets)
     return grid
 

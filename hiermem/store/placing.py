@@ -10,7 +10,9 @@ through the data plane); the simulator's is :class:`WrittenRows` (a bit per row 
 says "written down", records of zero width, bytes counted as a record would move them:
 :mod:`hiermem.core.written`, the same code the compiled replay inlines).
 
-A backing has ``fetch(b, ws, res)`` (set ``ws[FOUND, :res[N_DISK]]`` for the plan's disk
+A backing has ``hash_rows(bt, bk, out)`` (each row's 64-bit hash, which queue policies and
+the admission filter know rows by: the store hashes its ids, the simulator looks up the
+hashes of the store's ids, so both know a row by the same hash), ``fetch(b, ws, res)`` (set ``ws[FOUND, :res[N_DISK]]`` for the plan's disk
 rows of batch ``b``; returns whatever the caller needs after the commit, e.g. the records
 read) and ``write_victims(ws, res)`` (the dirty victims ``ws[WB, :res[N_WB]]``, global
 slots, written down before their slots are reused); each is called only when it has rows.
@@ -23,8 +25,9 @@ import torch
 
 from .placed import Placement
 from ..core import plan as _plan
+from ..core import sketch as _sketch
 from ..core import written as _written
-from ..core.names import CAPACITY, G, M, N_DISK, N_WB, ONDEV, SLOT, STATUS, T_KK, T_KT
+from ..core.names import CAPACITY, G, M, N_DISK, N_WB, ONDEV, RH, SLOT, STATUS, T_KK, T_KT
 from ..errors import CapacityError
 
 
@@ -54,6 +57,8 @@ def place(ix, dev, host, work: Workspace, b, clock: np.ndarray, counts: np.ndarr
     bt, bk = b.t.cpu().numpy(), b.k.cpu().numpy()
     U = bk.size
     ws, res = work.get(U)
+    if dev.policy.hashes or host.policy.hashes:
+        backing.hash_rows(bt, bk, ws[RH, :U])
     _plan.decide(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, ws, res)
     if res[STATUS] == CAPACITY:
         raise CapacityError(f"batch needs {U} rows resident at once; device ({dev.capacity}) and host "
@@ -68,6 +73,11 @@ def place(ix, dev, host, work: Workspace, b, clock: np.ndarray, counts: np.ndarr
     _plan.commit(ix, dev.state, dev.policy.state, host.state, host.policy.state, bt, bk, clock, counts,
                  account, ws, res, table)
     return ws, res, fetched
+
+
+def hash_rows(bt: np.ndarray, bk: np.ndarray, out: np.ndarray) -> None:
+    """The store's row hashes: :func:`hiermem.core.sketch.rowhash` of each ``(table, id)``."""
+    _sketch.row_hashes(bt, bk, out)
 
 
 def placement(ws: np.ndarray, res: np.ndarray, U: int, D: int) -> Placement:
@@ -98,11 +108,18 @@ class WrittenRows:
         written: uint8 per dense row, set once a row is written down.
         io: the ``IO`` counters (int64 numpy).
         row_bytes: bytes of one record.
+        row_hash: int64 per dense row, the store's hash of its table and id (read where a
+            policy uses hashes).
     """
 
-    def __init__(self, dev, host, row_base: np.ndarray, written: np.ndarray, io: np.ndarray, row_bytes: int):
+    def __init__(self, dev, host, row_base: np.ndarray, written: np.ndarray, io: np.ndarray, row_bytes: int,
+                 row_hash: np.ndarray):
         self.dev, self.host = dev, host
         self.row_base, self.written, self.io, self.row_bytes = row_base, written, io, int(row_bytes)
+        self.row_hash = row_hash
+
+    def hash_rows(self, bt: np.ndarray, bk: np.ndarray, out: np.ndarray) -> None:
+        _written.row_hashes(bt, bk, self.row_base, self.row_hash, out)
 
     def fetch(self, b, ws: np.ndarray, res: np.ndarray) -> None:
         _written.fetch(ws, res, b.t.numpy(), b.k.numpy(), self.row_base, self.written, self.io, self.row_bytes)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .placed import Batch, Placement
-from .placing import Workspace, place, placed_at, placement
+from .placing import Workspace, hash_rows, place, placed_at, placement
 from ..core import plan as _plan
 from ..core.index import make_index
 from ..dataplane import DataPlane
@@ -164,6 +164,10 @@ class Residency:
             self.copy_plan(ws, res, rec_disk)
         self.counters.copy_seconds.observe(time.perf_counter() - t0)
         return p
+
+    def hash_rows(self, bt: np.ndarray, bk: np.ndarray, out: np.ndarray) -> None:
+        """Each row's hash (:mod:`hiermem.store.placing`'s backing): of its table and id."""
+        hash_rows(bt, bk, out)
 
     def fetch(self, b: Batch, ws: np.ndarray, res: np.ndarray) -> torch.Tensor:
         """The plan's disk rows of ``b`` (:mod:`hiermem.store.placing`'s backing): their

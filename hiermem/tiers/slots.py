@@ -83,6 +83,8 @@ class SlotTier:
         self.dirty, self.pins = torch.from_numpy(dirty[:C]), torch.from_numpy(pins[:C])
         self.policy = policy.build(C)
         self.policy.adopt_keys(key)
+        if tier == Tier.DEVICE:  # the admission filter guards the device tier only
+            self.policy.attach_admission()
         assert self.meta[CAP] == C and self.meta[BASE] == self.base
 
     @property

@@ -86,6 +86,15 @@ def sorted_keys(ids) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndar
     return u, su, order, None
 
 
+def _scatter(got: tuple[np.ndarray, np.ndarray], order: np.ndarray | None, found: np.ndarray,
+             out: np.ndarray) -> None:
+    """An I/O process's ``(found, records)`` of sorted ids into ``found``/``out`` at
+    ``order``'s positions (None: the sorted order is theirs), as :meth:`DiskTier.parse_records`
+    places getmulti's."""
+    pos = slice(None) if order is None else order
+    found[pos], out[pos] = got
+
+
 def _background() -> bool:
     """The calling thread is not the main thread: a placement's LMDB read there goes through
     the thread's I/O process, as read-ahead does, because py-lmdb would hold the GIL and stop
@@ -419,8 +428,7 @@ class DiskTier:
             if by_proc is None:
                 self.parse_records(res[i], table, width, u, order, f, r)
             elif db is not None and len(u):
-                pos = slice(None) if order is None else order
-                f[pos], r[pos] = next(by_proc)
+                _scatter(next(by_proc), order, f, r)
             if inverse is not None:
                 f, r = f[inverse], r[inverse]
             self._newer(table, ids, width, f, r, queued)
@@ -470,8 +478,7 @@ class DiskTier:
             return found, out
         got = self._proc_read([(table, su, width)]) if _background() else None
         if got is not None:  # by this thread's I/O process
-            pos = slice(None) if order is None else order
-            found[pos], out[pos] = got[0]
+            _scatter(got[0], order, found, out)
             return found, out
         keys = key_list(su)
         t0 = time.perf_counter()

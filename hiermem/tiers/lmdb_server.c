@@ -109,6 +109,21 @@ static const char *skip(Reader *r, size_t n) {
     return p;
 }
 
+/* One group's header and ids: u32 table, u32 size (floats per record in a read, bytes per
+ * record in a write), u64 n, n u64 ids.  -1: the payload ends inside it. */
+typedef struct {
+    uint32_t table, size;
+    uint64_t n;
+    const char *ids;
+} Group;
+
+static int take_group(Reader *r, Group *g) {
+    if (take(r, &g->table, 4) || take(r, &g->size, 4) || take(r, &g->n, 8)) return -1;
+    if (g->n > r->left / 8) return -1;
+    g->ids = skip(r, g->n * 8);
+    return 0;
+}
+
 /* -- databases -------------------------------------------------------------------------- */
 
 /* Table t's database, opened on first use; 0 and *dbi set, MDB_NOTFOUND when the table has
@@ -160,14 +175,12 @@ static int do_read(const char *raw, uint64_t len, uint64_t *reply_len) {
      * transaction: a transaction sees only the handles opened before it began) */
     Reader scan = r;
     size_t need = 0;
-    for (uint32_t g = 0; g < ngroups; g++) {
-        uint32_t table, width;
-        uint64_t n;
-        if (take(&scan, &table, 4) || take(&scan, &width, 4) || take(&scan, &n, 8)) return bad_request();
-        if (n > scan.left / 8 || !skip(&scan, n * 8)) return bad_request();
-        need += n + n * (size_t)width * 4;
+    for (uint32_t i = 0; i < ngroups; i++) {
+        Group g;
+        if (take_group(&scan, &g)) return bad_request();
+        need += g.n + g.n * (size_t)g.size * 4;
         MDB_dbi dbi;
-        int rc = n ? table_dbi(table, &dbi) : 0;
+        int rc = g.n ? table_dbi(g.table, &dbi) : 0;
         if (rc && rc != MDB_NOTFOUND) return lmdb_error("mdb_dbi_open", rc);
     }
     if (reserve(need ? need : 1)) {
@@ -179,13 +192,12 @@ static int do_read(const char *raw, uint64_t len, uint64_t *reply_len) {
     if (rc) return lmdb_error("mdb_txn_begin", rc);
     char *o = out;
     int status = OK;
-    for (uint32_t g = 0; g < ngroups && status == OK; g++) {
-        uint32_t table = 0, width = 0;
-        uint64_t n = 0;
-        take(&r, &table, 4);
-        take(&r, &width, 4);
-        take(&r, &n, 8);
-        const char *ids = skip(&r, n * 8);
+    for (uint32_t i = 0; i < ngroups && status == OK; i++) {
+        Group g;
+        take_group(&r, &g); /* checked in the first pass */
+        uint32_t table = g.table, width = g.size;
+        uint64_t n = g.n;
+        const char *ids = g.ids;
         unsigned char *found = (unsigned char *)o;
         char *rec = o + n;
         size_t rb = (size_t)width * 4;
@@ -235,17 +247,15 @@ static int do_write(const char *raw, uint64_t len) {
     if (take(&r, &ngroups, 4)) return bad_request();
     /* validate the whole request before the transaction */
     Reader scan = r;
-    for (uint32_t g = 0; g < ngroups; g++) {
-        uint32_t table, rb;
-        uint64_t n;
-        if (take(&scan, &table, 4) || take(&scan, &rb, 4) || take(&scan, &n, 8)) return bad_request();
-        if (n > scan.left / 8 || !skip(&scan, n * 8)) return bad_request();
-        if (rb && n > scan.left / rb) return bad_request();
-        if (!skip(&scan, n * (size_t)rb)) return bad_request();
+    for (uint32_t i = 0; i < ngroups; i++) {
+        Group g;
+        if (take_group(&scan, &g)) return bad_request();
+        if (g.size && g.n > scan.left / g.size) return bad_request();
+        if (!skip(&scan, g.n * (size_t)g.size)) return bad_request();
         MDB_dbi dbi;
-        int rc = table_dbi(table, &dbi);
+        int rc = table_dbi(g.table, &dbi);
         if (rc == MDB_NOTFOUND) {
-            snprintf(errbuf, sizeof errbuf, "ValueError: table %u has no database", table);
+            snprintf(errbuf, sizeof errbuf, "ValueError: table %u has no database", g.table);
             return FAILED;
         }
         if (rc) return lmdb_error("mdb_dbi_open", rc);
@@ -258,16 +268,15 @@ static int do_write(const char *raw, uint64_t len) {
     int rc = mdb_txn_begin(env, NULL, 0, &txn);
     if (rc) return lmdb_error("mdb_txn_begin", rc);
     int status = OK;
-    for (uint32_t g = 0; g < ngroups && status == OK; g++) {
-        uint32_t table = 0, rb = 0;
-        uint64_t n = 0;
-        take(&r, &table, 4);
-        take(&r, &rb, 4);
-        take(&r, &n, 8);
-        const char *ids = skip(&r, n * 8);
+    for (uint32_t i = 0; i < ngroups && status == OK; i++) {
+        Group g;
+        take_group(&r, &g); /* checked above */
+        uint32_t rb = g.size;
+        uint64_t n = g.n;
+        const char *ids = g.ids;
         const char *vals = skip(&r, n * (size_t)rb);
         MDB_dbi dbi;
-        table_dbi(table, &dbi);
+        table_dbi(g.table, &dbi);
         MDB_cursor *cur;
         if ((rc = mdb_cursor_open(txn, dbi, &cur))) {
             status = lmdb_error("mdb_cursor_open", rc);

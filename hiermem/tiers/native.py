@@ -14,6 +14,7 @@ cache; without a compiler or liblmdb it says why and the Python form runs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -54,7 +55,9 @@ def _cache_dirs() -> list[Path]:
     return dirs
 
 
+@functools.cache
 def _tag() -> str:
+    """The build's key: the source and the machine (read once a process)."""
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(platform.machine().encode())
     return h.hexdigest()[:16]

@@ -9,6 +9,8 @@ add where the compiled kernels round twice, a float32 ulp per operation, and
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -262,6 +264,35 @@ def test_threads_follow_torch(tmp_path):
     finally:
         torch.set_num_threads(n)
         store.close()
+
+
+_KEEPS_TORCH_THREADS = r"""
+import os, sys, torch
+torch.set_num_threads(1)
+import hiermem as hm
+store = hm.HierarchicalStore([hm.TableSpec("t", 5000, 64)],
+                             hm.StoreConfig(path=sys.argv[1], device_rows=5000, host_rows=4))
+big = torch.arange(1 << 13) % 5000
+for _ in range(3):  # the first parallel kernel of the process runs on this (the training) thread
+    store.lookup_pooled("t", big, torch.tensor([0]))
+    torch.ones(1 << 20).add_(1)  # a torch op big enough to run on torch's intra-op threads
+store.close()
+print(torch.get_num_threads())
+"""
+
+
+def test_numba_pool_keeps_torch_threads(tmp_path):
+    """Starting numba's thread pool (its OpenMP layer shares torch's libgomp) leaves torch's
+    intra-op count as the user set it: a process that asked for one torch thread keeps
+    one, so no second OpenMP thread spins on the core the prefetch thread runs on."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", _KEEPS_TORCH_THREADS, str(tmp_path / "s")], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1"
 
 
 def test_unknown_plane_and_subclassed_optimizer(tmp_path):

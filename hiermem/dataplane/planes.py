@@ -263,9 +263,35 @@ def _np(x: torch.Tensor | None, empty: np.ndarray) -> np.ndarray:
 PARALLEL_WORK = 1 << 18
 
 
+_numba_started = False
+
+
+def start_numba_threads() -> None:
+    """Start numba's thread pool (once per process), keeping torch's intra-op count.
+
+    numba starts its pool at the first parallel kernel or thread-count call, and its
+    OpenMP layer (on torch's own libgomp) then sets the calling thread's OpenMP thread
+    count to ``NUMBA_NUM_THREADS`` (the core count), which torch reads as its intra-op
+    count: a process that asked torch for 1 thread runs its ops on 2 from then on, and
+    the second thread, spin-waiting between parallel regions, takes the core that the
+    prefetch thread needs (measured in ``scripts/bench_pipeline.py``: host-backed 0.80x
+    of plain tables when the first parallel kernel ran on the training thread, 1.2x when
+    it ran on a background thread)."""
+    global _numba_started
+    if _numba_started:
+        return
+    keep = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool
+    if torch.get_num_threads() != keep:
+        torch.set_num_threads(keep)
+    _numba_started = True
+
+
 def _threads(work: int) -> int:
     """Set numba's thread count (per calling thread) for ``work`` floats: torch's intra-op
     count, or 1 for small work; returns it."""
+    if not _numba_started:
+        start_numba_threads()
     n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) if work >= PARALLEL_WORK else 1
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)

@@ -99,10 +99,11 @@ def _exercise_kernels(part: int | None = None) -> None:
     compiles at its optimizer's first update (~4 s, then cached for later processes),
     which keeps the first import within its minute."""
     from ..dataplane import kernels as K
-    from ..dataplane.planes import FUSED
+    from ..dataplane.planes import FUSED, start_numba_threads
     from ..core.layout import slot_records  # the dirty bits are fields of the tiers' slot records
     from ..dataplane.optim import SGD
 
+    start_numba_threads()  # before the first parallel kernel, which would start it and change torch's count
     f32, i64 = np.float32, np.int64
     dev, host = np.zeros((4, 12), dtype=f32), np.zeros((8, 12), dtype=f32)
     hoff = None  # a host tier of one record width (mixed widths compile on first use)

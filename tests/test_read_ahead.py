@@ -4,6 +4,7 @@ whether the read-ahead thread reads LMDB itself or through its I/O process."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import numpy as np
@@ -205,3 +206,55 @@ def test_a_background_threads_placement_read_goes_through_its_io_process(tmp_pat
         np.testing.assert_array_equal(many[1][1][[0, 2]], _rec([49, 1], 2.0))
     assert d.io_failures == 0
     d.close()
+
+
+def test_a_prefetch_waits_for_its_batchs_read_ahead(tmp_path, monkeypatch):
+    """A prefetch places its batch's disk rows from that batch's read-ahead, waiting for
+    it when it is late, instead of reading them from LMDB itself under the store's lock
+    (which the training thread's lookup would wait for); training still equals a store
+    without threads."""
+    tables = [hm.TableSpec("a", 3000, 8)]
+    base = tmp_path / "base"
+    s = hm.HierarchicalStore(tables, hm.StoreConfig(path=base, device_rows=64, host_rows=64))
+    for i in range(0, 3000, 100):  # every row written to LMDB
+        ids = torch.arange(i, i + 100)
+        s.lookup_bags(torch.zeros(100, dtype=torch.int64), ids, torch.arange(0, 100, 10))
+        s.update_bags(torch.zeros(100, dtype=torch.int64), ids, torch.arange(0, 100, 10), torch.ones(10, 8))
+    s.close()
+    g = torch.Generator().manual_seed(3)
+    batches = [hm.SparseFeatures.from_dict({"a": (torch.randint(0, 3000, (64,), generator=g), torch.full((16,), 4))})
+               for _ in range(12)]
+    outs = {}
+    for name, threads in (("threads", True), ("inline", False)):
+        p = tmp_path / name
+        shutil.copytree(base, p)
+        st = hm.HierarchicalStore.open(p, device_rows=256, host_rows=4096)  # no eviction to LMDB
+        coll = hm.CachedEmbeddingBagCollection(tables, store=st)
+        if threads:
+            real = st.read_ahead
+
+            def slow(*a, **k):  # a read-ahead that is always late for its prefetch
+                threading.Event().wait(0.05)
+                return real(*a, **k)
+            monkeypatch.setattr(st, "read_ahead", slow)
+        lmdb_rows = []
+        real_proc = st._disk._proc_read
+        monkeypatch.setattr(st._disk, "_proc_read", lambda asked: (
+            lmdb_rows.append((threading.current_thread().name, sum(len(u) for _, u, _ in asked))) or real_proc(asked)))
+        res = []
+        with hm.PrefetchPipeline(iter(batches), coll, depth=1, background=threads) as pipe:
+            for f in pipe:
+                out = coll(f)
+                res.append(out.detach().clone())
+                out.sum().backward()
+        outs[name] = res
+        if threads:
+            by = {}
+            for th, n in lmdb_rows:
+                by[th] = by.get(th, 0) + n
+            assert by.get("hiermem-read-ahead", 0) > 500  # the disk rows were read ahead ...
+            assert by.get("hiermem-prefetch", 0) == 0  # ... and the prefetch read none of them itself
+            assert st.stats()["_store"]["disk_read_ahead_hits"] > 500
+        st.close()
+    for a, b in zip(outs["threads"], outs["inline"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

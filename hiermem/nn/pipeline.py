@@ -280,6 +280,7 @@ class _Handle:
     offsets: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     prepared: threading.Event = field(default_factory=threading.Event)
+    read_ahead: threading.Event = field(default_factory=threading.Event)  # its read-ahead ran
     plock: threading.Lock = field(default_factory=threading.Lock)
     result: Ticket | None = None
     submitted: bool = False
@@ -419,6 +420,7 @@ class PrefetchPipeline:
         self.next_seconds = 0.0  # the training thread's, in __next__
         self.prefetch_seconds = 0.0  # store.prefetch and release (on the prefetch thread, or inline when it is idle)
         self.read_ahead_seconds = 0.0  # store.read_ahead on the read-ahead thread (only it adds)
+        self.read_ahead_wait_seconds = 0.0  # the prefetch thread's, waiting for a batch's read-ahead
         self.late_batches = 0
         self.steps = 0
         self._depth_sum = 0
@@ -469,6 +471,7 @@ class PrefetchPipeline:
             pass
         finally:
             self.read_ahead_seconds += time.perf_counter() - t0
+            h.read_ahead.set()
 
     def _submit(self, h: _Handle) -> None:
         if h.submitted:
@@ -476,7 +479,14 @@ class PrefetchPipeline:
         h.submitted = True
 
         def job():
+            # the batch's LMDB reads are its read-ahead's, done outside the store's lock: wait
+            # for it rather than read them here, under the lock, one table at a time (which
+            # the training thread's lookup would then wait for)
+            t_w = time.perf_counter()
+            if not h.read_ahead.wait(self.timeout):
+                raise TimeoutError("read-ahead thread did not finish a batch in time")
             t0 = time.perf_counter()
+            self.read_ahead_wait_seconds += t0 - t_w
             try:
                 h.prepare()
                 self._set_lookahead(h)
@@ -645,6 +655,7 @@ class PrefetchPipeline:
                 "background_reason": self.background_reason, "adaptive": self.adaptive, "trials": list(self.trials), "wait_seconds": self.wait_seconds,
                 "critical_path_seconds": self.critical_path_seconds,
                 "prefetch_seconds": self.prefetch_seconds, "read_ahead_seconds": self.read_ahead_seconds,
+                "read_ahead_wait_seconds": self.read_ahead_wait_seconds,
                 "late_batches": self.late_batches, "min_effective_depth": self.min_effective_depth,
                 "mean_effective_depth": self._depth_sum / max(1, self.steps),
                 "prefetched_batches": st["prefetched_batches"], "prefetch_degraded": st["prefetch_degraded"],

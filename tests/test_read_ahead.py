@@ -47,6 +47,41 @@ def test_read_ahead_serves_reads_and_counts(disk):
     assert disk.ahead_hits == 4  # 3 came from LMDB
 
 
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_read_many_takes_the_cache_then_one_lmdb_read_for_every_table(disk, where):
+    """A placement's batched read with read-ahead records cached: each table's cached
+    keys from the cache, the rest of every table in one LMDB read (one I/O round trip
+    off the main thread); unsorted, repeated and never-written ids, a table never
+    written, and write-backs newer than LMDB all as :meth:`read` gives them."""
+    disk.write([(1, np.arange(50), _rec(np.arange(50), 2.0))])
+    disk.read_ahead([(0, np.array([5, 7, 99]), W), (1, np.array([3]), W)], disk.begin_read_ahead())
+    groups = [(0, np.array([150, 7, 5, 99, 7, 3, 42]), W), (1, np.array([49, 3, 60, 1]), W),
+              (2, np.array([4, 2]), W), (0, np.array([], dtype=np.int64), W)]
+    calls = []
+    if disk.io_process:
+        real = disk._proc_read
+        disk._proc_read = lambda asked: calls.append([len(k) for _, k, _ in asked]) or real(asked)
+    got = {}
+    if where == "main":
+        got["r"] = disk.read_many(groups)
+    else:
+        t = threading.Thread(target=lambda: got.update(r=disk.read_many(groups)))
+        t.start()
+        t.join()
+    r = got["r"]
+    assert r[0][0].tolist() == [False, True, True, True, True, True, True]
+    np.testing.assert_array_equal(r[0][1][1:], _rec([7, 5, 99, 7, 3, 42], 0.0))
+    assert not r[0][1][0].any()
+    assert r[1][0].tolist() == [True, True, False, True]
+    np.testing.assert_array_equal(r[1][1][[0, 1, 3]], _rec([49, 3, 1], 2.0))
+    assert not r[2][0].any() and r[3][0].shape == (0,) and r[3][1].shape == (0, W)
+    assert disk.ahead_hits == 4  # 5, 7, 99 of table 0 and 3 of table 1
+    if disk.io_process and where == "thread":
+        assert calls == [[3, 3]]  # table 0's 3, 42, 150 and table 1's 1, 49, 60: one request
+    else:
+        assert calls == []
+
+
 def test_a_write_after_the_read_ahead_drops_the_cached_copy(disk):
     disk.read_ahead([(0, np.array([1, 2, 3]), W)], disk.begin_read_ahead())
     disk.write([(0, np.array([2, 150]), _rec([2, 150], 1.0))])

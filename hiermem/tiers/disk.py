@@ -398,38 +398,56 @@ class DiskTier:
         return found, out
 
     def read_many(self, groups: list[tuple[int, np.ndarray, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """:meth:`read` of ``(table, ids, width)`` groups, each table's once: one LMDB read
-        transaction for them all (a step's misses span many tables; a transaction and the
-        calls around it cost about as much as reading 30 rows)."""
-        if len(self.ahead) or len(groups) < 2:  # read-ahead records to look up first: table by table
+        """:meth:`read` of ``(table, ids, width)`` groups, each table's once: the read-ahead
+        cache first, then one LMDB read (one transaction, or one request to this thread's
+        I/O process) for what it did not hold of every table (a step's misses span many
+        tables; a transaction or a round trip and the calls around it cost about as much
+        as reading 30 rows)."""
+        if len(groups) < 2 and not len(self.ahead):
             return [self.read(t, ids, w) for t, ids, w in groups]
         self._check_version()
-        queued = self.queue.snapshot() if self.write_behind else []
-        plan = []  # (table, sorted distinct keys, their order in ids or None, inverse or None, width, db)
+        queued = self.queue.snapshot() if self.write_behind else []  # before LMDB: see read
+        plan = []  # (table, sorted distinct keys, order, inverse, width, found, records) in sorted-key order
         for table, ids, width in groups:
             _, su, order, inverse = sorted_keys(ids)
-            plan.append((table, su, order, inverse, width, self.table_database(table)))
-
-        def fn(txn: lmdb.Transaction) -> list:
-            return [txn.cursor(db=db).getmulti(key_list(u)) if db is not None and len(u) else []
-                    for _, u, _, _, _, db in plan]
-        asked = [(table, u, width) for table, u, _, _, width, db in plan if db is not None and len(u)]
-        by_proc = self._proc_read(asked) if asked and _background() else None  # by this thread's I/O process
-        if by_proc is None:
-            t0 = time.perf_counter()
-            res = self.snapshot_read(fn)
-            self._observe(self.read_seconds, t0)
-        else:
-            by_proc = iter(by_proc)
-        out = []
-        for i, ((table, u, order, inverse, width, db), (_, ids, _)) in enumerate(zip(plan, groups)):
-            f = np.zeros(len(u), dtype=bool)
-            r = np.zeros((len(u), width), dtype=np.float32)
+            plan.append((table, su, order, inverse, width, np.zeros(len(su), dtype=bool),
+                         np.zeros((len(su), width), dtype=np.float32)))
+        ask = []  # (plan index, positions of the keys left for LMDB, or None: all, database)
+        for i, (table, su, _, _, _, f, r) in enumerate(plan):
+            if not len(su):
+                continue
+            rest = None
+            if len(self.ahead):
+                got = self.ahead.lookup(table, su, f, r)
+                if got.all():
+                    continue
+                rest = np.flatnonzero(~got) if got.any() else None
+            db = self.table_database(table)
+            if db is not None:  # else nothing of the table was ever written
+                ask.append((i, rest, db))
+        if ask:
+            keys = [plan[i][1] if rest is None else plan[i][1][rest] for i, rest, _ in ask]
+            by_proc = (self._proc_read([(plan[i][0], k, plan[i][4]) for (i, _, _), k in zip(ask, keys)])
+                       if _background() else None)  # by this thread's I/O process
             if by_proc is None:
-                self.parse_records(res[i], table, width, u, order, f, r)
-            elif db is not None and len(u):
-                _scatter(next(by_proc), order, f, r)
-            if inverse is not None:
+                def fn(txn: lmdb.Transaction) -> list:
+                    return [txn.cursor(db=db).getmulti(key_list(k)) for (_, _, db), k in zip(ask, keys)]
+                t0 = time.perf_counter()
+                res = self.snapshot_read(fn)
+                self._observe(self.read_seconds, t0)
+                for (i, rest, _), k, one in zip(ask, keys, res):
+                    table, _, _, _, width, f, r = plan[i]
+                    self.parse_records(one, table, width, k, rest, f, r)
+            else:
+                for (i, rest, _), got in zip(ask, by_proc):
+                    _scatter(got, rest, plan[i][5], plan[i][6])
+        out = []
+        for (table, su, order, inverse, width, f, r), (_, ids, _) in zip(plan, groups):
+            if order is not None:  # distinct, unsorted ids: back to their positions
+                fo, ro = np.empty_like(f), np.empty_like(r)
+                fo[order], ro[order] = f, r
+                f, r = fo, ro
+            elif inverse is not None:
                 f, r = f[inverse], r[inverse]
             self._newer(table, ids, width, f, r, queued)
             out.append((f, r))

@@ -18,7 +18,36 @@ from typing import Callable
 import lmdb
 import numpy as np
 
+from ..core.jit import kernel
 from ..errors import StoreFormatError
+
+
+@kernel
+def take_live(cids, clive, cfound, crec, ids, got, found, out):
+    """For each of ``ids`` (uint64) not ``got`` yet, its live record among the sorted
+    ``cids`` (a chunk: ``clive``/``cfound`` bool, ``crec`` float32 ``[m, width]``), by
+    binary search: into ``found``/``out`` at the id's position, ``got`` set, the chunk's
+    copy no longer live.  Returns how many it took."""
+    m, width, n = cids.size, crec.shape[1], 0
+    for q in range(ids.size):
+        if got[q]:
+            continue
+        x = ids[q]
+        lo, hi = 0, m
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if cids[mid] < x:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < m and cids[lo] == x and clive[lo]:
+            found[q] = cfound[lo]
+            for c in range(width):
+                out[q, c] = crec[lo, c]
+            clive[lo] = False  # the row is resident now: its next read is after a write
+            got[q] = True
+            n += 1
+    return n
 
 @dataclass
 class _Ahead:
@@ -69,21 +98,17 @@ class ReadAhead:
         """Fill what the cache holds of ``ids`` (distinct) into ``found``/``out``; returns
         which it held (those records are used: not served again)."""
         got = np.zeros(len(ids), dtype=bool)
-        ids = ids.astype(np.uint64, copy=False)
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        n = 0
         with self._cv:
-            for batch in reversed(self._batches):
+            for batch in reversed(self._batches):  # the newest read first
                 c = batch.get(table)
                 if c is None or not len(c.ids):
                     continue
-                j = np.minimum(np.searchsorted(c.ids, ids), len(c.ids) - 1)
-                hit = ~got & (c.ids[j] == ids) & c.live[j]
-                if hit.any():
-                    jh = j[hit]
-                    found[hit] = c.found[jh]
-                    out[hit] = c.rec[jh]
-                    c.live[jh] = False  # the row is resident now: its next read is after a write
-                    got |= hit
-            self.hits += int(got.sum())
+                n += take_live(c.ids, c.live, c.found, c.rec, ids, got, found, out)
+                if n == len(ids):
+                    break
+            self.hits += n
         return got
 
     def begin(self) -> int:

@@ -60,23 +60,25 @@ def merge_runs(at, ak, ap, bt, bk, bp):
 
 
 @kernel
-def find_runs(st, sk, sp, qt, qk):
-    """Positions of rows ``(qt, qk)`` (int64 ``[q]``, any order) among rows ``(st, sk)``
-    sorted by ``(table, id)``: their ``sp`` (int64), -1 for rows not there."""
-    out = np.full(qt.size, -1, np.int64)
+def fill_held(st, sk, sp, rec, table, qk, width, found, out):
+    """For each id of ``qk`` (int64, any order) of table ``table`` held among the rows
+    ``(st, sk)`` sorted by ``(table, id)``: ``found`` set and ``out`` its newest record
+    (``rec[sp[row], :width]``), by binary search, in place."""
     n = st.size
-    for q in range(qt.size):
-        t, k = qt[q], qk[q]
+    for q in range(qk.size):
+        k = qk[q]
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi) >> 1
-            if st[mid] < t or (st[mid] == t and sk[mid] < k):
+            if st[mid] < table or (st[mid] == table and sk[mid] < k):
                 lo = mid + 1
             else:
                 hi = mid
-        if lo < n and st[lo] == t and sk[lo] == k:
-            out[q] = sp[lo]
-    return out
+        if lo < n and st[lo] == table and sk[lo] == k:
+            r = sp[lo]
+            found[q] = True
+            for c in range(width):
+                out[q, c] = rec[r, c]
 
 
 class WriteCombiner:
@@ -143,12 +145,8 @@ class WriteCombiner:
         ``ids`` (int64 ``[n]``) held here (newer than LMDB's records)."""
         if self.t.size == 0 or len(ids) == 0:
             return
-        q = np.ascontiguousarray(ids, np.int64)
-        pos = find_runs(self.t, self.k, self.p, np.full(q.size, table, np.int64), q)
-        hit = pos >= 0
-        if hit.any():
-            found[hit] = True
-            out[hit] = self.rec[pos[hit], :width]
+        fill_held(self.t, self.k, self.p, self.rec, np.int64(table), np.ascontiguousarray(ids, np.int64), width,
+                  found, out)
 
     def _runs(self) -> list[tuple[int, int, int]]:
         """``(table, start, end)`` of each table's run of the rows held."""

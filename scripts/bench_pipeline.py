@@ -346,7 +346,8 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
 
 
 def run_workload(a, wl, wait: Wait, kinds: list[str]) -> dict:
-    n_batches = 2 * a.warmup_cap + CYCLE_CAP * a.steps + BLOCK + a.depth + 16
+    # warm-up, the cycle alignment (two cycles and a half at most) and the timed window
+    n_batches = 4 * a.warmup_cap + CYCLE_CAP * a.steps + BLOCK + a.depth + 16
     batches = make_batches(wl, n_batches, a.batch)
     W = working_set(wl, batches)
     total = sum(t.num_rows for t in wl.tables)

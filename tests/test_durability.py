@@ -997,3 +997,78 @@ def test_tmpfs_full_then_kill_keeps_flushed_data(tiny_fs):
         except hm.HierMemError:
             pass
     assert s.closed
+
+
+_HOLD_ENV = r"""
+import sys, time, lmdb
+env = lmdb.open(sys.argv[1], max_dbs=64, readahead=False)
+if sys.argv[2] == "writer":  # dies holding the writers' mutex, as a writer killed inside its commit
+    txn = env.begin(write=True)
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+def _stale_lock_record(path: Path, commit: int) -> None:
+    """Set LMDB's lock-file record of the last commit to ``commit`` (as a writer killed
+    after writing its meta page, before recording it, leaves it)."""
+    import struct
+
+    env = lmdb.open(str(path), max_dbs=64, readonly=True)
+    last = env.info()["last_txnid"]
+    env.close()
+    with open(path / "lock.mdb", "r+b") as f:
+        head = f.read(128)
+        at = [o for o in range(0, 128, 8) if struct.unpack_from("<Q", head, o)[0] == last]
+        if len(at) != 1:
+            pytest.skip(f"this liblmdb's lock-file layout is not the one this test knows ({at})")
+        f.seek(at[0])
+        f.write(struct.pack("<Q", commit))
+
+
+@pytest.mark.parametrize("dead_writer", [True, False], ids=["writer-died-in-commit", "record-behind-no-writer"])
+def test_reopen_reads_the_newest_commit_when_the_lock_record_is_behind(tmp_path, dead_writer):
+    """A writer killed between writing its commit and recording it in LMDB's lock file,
+    while another process still has the environment open: a reopened store reads the
+    newest commit, not the one before (LMDB rebuilds the record when the writers' mutex
+    is found with a dead owner).  With no dead writer to recover, the open refuses
+    with a typed error and changes nothing."""
+    from hiermem.tiers.disk import DiskTier
+
+    path = tmp_path / "s"
+    d = DiskTier(path, create=True, sync=False, writemap=False)
+    d.write([(0, np.arange(4), np.full((4, 4), 1.0, np.float32))], meta={"steps": {"a": 1}})
+    d.write([(0, np.arange(4), np.full((4, 4), 2.0, np.float32))], meta={"steps": {"a": 2}})
+    last = d.env.info()["last_txnid"]
+    d.close()
+    procs = [subprocess.Popen([sys.executable, "-c", _HOLD_ENV, str(path), "holder"], stdout=subprocess.PIPE, text=True)]
+    if dead_writer:
+        procs.append(subprocess.Popen([sys.executable, "-c", _HOLD_ENV, str(path), "writer"], stdout=subprocess.PIPE,
+                                      text=True))
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "READY"
+        _stale_lock_record(path, last - 1)
+        if dead_writer:
+            procs[1].kill()
+            procs[1].wait()
+            d = DiskTier(path, create=False, writemap=False)  # (a writemap open's preallocation writes)
+            try:
+                assert d.read_meta()["steps"] == {"a": 2}
+                np.testing.assert_array_equal(d.read(0, np.arange(4), 4)[1], np.full((4, 4), 2.0, np.float32))
+            finally:
+                d.close()
+        else:
+            with pytest.raises(hm.StoreIOError, match="lock file records commit"):
+                DiskTier(path, create=False, writemap=False)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+    d = DiskTier(path, create=False)  # alone now: LMDB rebuilds the record; the newest commit is intact
+    try:
+        assert d.read_meta()["steps"] == {"a": 2}
+        assert d.env.info()["last_txnid"] == last
+    finally:
+        d.close()

@@ -177,6 +177,8 @@ class DiskTier:
                 self.env = self._open_env(map_size, create, sync)
             self.version = 1 if ROWS_DB_V1 in names else FORMAT_VERSION
             self._open_dbs(create=self._fresh)
+            if not self.readonly and not self._fresh and self._adopt_newest_commit():
+                self._open_dbs()  # the newest commit's tables
             if self._fresh:
                 self.ensure_tables(tables)
         except lmdb.Error as e:
@@ -219,6 +221,41 @@ class DiskTier:
             except BaseException:
                 self.close()
                 raise
+
+    def _adopt_newest_commit(self) -> bool:
+        """Make this environment's transactions start from the newest commit in the data
+        file; whether they did not.
+
+        LMDB's transactions (read and write) take their snapshot from the lock file's
+        record of the last commit, which a writer sets just after writing the commit's
+        meta page. A writer killed between the two (a trainer's I/O process, dying with
+        it) leaves the record one commit behind; LMDB rebuilds it from the data file when
+        it opens the lock file alone, or when the next writer takes the writers' mutex
+        and finds its owner dead. A store reopened while another process still had the
+        environment (an I/O process still exiting, a read-only handle) read the state
+        before its newest durable commit until its first write (found by
+        ``scripts/torture.py``: a reopened store's step counts ran ahead of what the
+        check right after the kill had read). So a writable open takes the writers'
+        mutex once, which recovers a dead owner's commit.
+
+        Raises:
+            StoreIOError: the record is still behind (another process has the store open
+                and no writer died in a commit): a write would replace the newest commit;
+                nothing was changed.
+        """
+        def behind() -> tuple[int, int]:
+            with self.env.begin() as txn:
+                return txn.id(), self.env.info()["last_txnid"]
+        seen, last = behind()
+        if seen == last:
+            return False
+        self.env.begin(write=True).abort()  # the writers' mutex: LMDB recovers a dead owner's commit
+        seen, last = behind()
+        if seen != last:
+            raise StoreIOError(errno.EBUSY, f"{self.path}: LMDB's lock file records commit {seen} but the data "
+                                            f"file holds {last}, and another process has the store open: close "
+                                            "it, then open the store again (nothing was changed)")
+        return True
 
     def _open_env(self, map_size: int, create: bool, sync: bool) -> lmdb.Environment:
         try:

@@ -907,6 +907,8 @@ def torture(kills: int, work: Path, seed: int = 0, modes: tuple[str, ...] = MODE
         mode = modes[i % len(modes)]
         r, base = one_round(work, i, mode, rng, base, policy=("lru", "lfu")[(i // len(modes)) % 2])
         rounds.append(r)
+        if r.open_error:  # the next round would start from a reference the store no longer holds
+            raise RuntimeError(f"round {i} ({mode}): the store did not reopen after the kill: {r.open_error}")
         if verbose:
             c = r.check
             print(f"kill {i + 1:3d} {mode:18s} in_flush={int(r.in_flush)} in_ckpt={int(r.in_checkpoint)} "

@@ -1072,3 +1072,38 @@ def test_reopen_reads_the_newest_commit_when_the_lock_record_is_behind(tmp_path,
         assert d.env.info()["last_txnid"] == last
     finally:
         d.close()
+
+
+_HOLD_LOCK = r"""
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("READY", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("held", [0.1, 30.0], ids=["released-soon", "held"])
+def test_open_waits_briefly_for_a_store_lock_another_process_is_letting_go(tmp_path, held):
+    """A process killed while starting a child leaves the store's lock in that child for
+    a few milliseconds: an open right then waits for it (``locks.LOCK_WAIT``), and says
+    the store is open elsewhere only when the lock stays held."""
+    from hiermem.store import locks
+
+    path = tmp_path / "s"
+    hm.HierarchicalStore(tables(), hm.StoreConfig(path=path, device_rows=DEV, host_rows=HOST)).close()
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(path / locks.STORE_LOCK), str(held)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "READY"
+        t0 = time.monotonic()
+        if held < locks.LOCK_WAIT:
+            hm.HierarchicalStore.open(path).close()
+        else:
+            with pytest.raises(hm.HierMemError, match="store is open in another process"):
+                hm.HierarchicalStore.open(path)
+            assert time.monotonic() - t0 >= locks.LOCK_WAIT
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()

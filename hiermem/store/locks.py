@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 
 from ..errors import HierMemError, StoreFormatError
@@ -26,9 +27,18 @@ HANDOFF: dict[str, int] = {}  # store lock descriptors restore() took for the op
 OPEN_LOCK = threading.Lock()
 
 
-def take(directory: Path, name: str, exclusive: bool, busy: str) -> int:
-    """Open (creating it, mode 0600) and ``flock`` the lock file ``directory / name``
-    without waiting; returns its descriptor, which holds the lock until closed.
+#: How long a store's open waits for its lock held by another process (seconds).  A
+#: process killed while one of its threads was starting a child (its I/O process: between
+#: the fork and the exec) leaves its descriptors, the lock's among them, in that child
+#: for a few milliseconds more; an open right after the kill (a restart, the torture
+#: check) would otherwise say the store is open elsewhere.
+LOCK_WAIT = 0.5
+
+
+def take(directory: Path, name: str, exclusive: bool, busy: str, wait: float = 0.0) -> int:
+    """Open (creating it, mode 0600) and ``flock`` the lock file ``directory / name``,
+    trying for up to ``wait`` seconds; returns its descriptor, which holds the lock until
+    closed.
 
     Raises:
         StoreFormatError: the lock file's path is a directory (not a hiermem store).
@@ -42,12 +52,16 @@ def take(directory: Path, name: str, exclusive: bool, busy: str) -> int:
         raise StoreFormatError(directory, f"not a hiermem store: {path} is a directory") from None
     except OSError as e:
         raise HierMemError(f"{directory}: cannot open the lock file {name}: {e}") from e
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise HierMemError(f"{directory}: {busy}") from None
-    return fd
+    end = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            if time.monotonic() >= end:
+                os.close(fd)
+                raise HierMemError(f"{directory}: {busy}") from None
+            time.sleep(0.005)
 
 
 def claim_store(path: Path) -> tuple[int, bool]:
@@ -72,7 +86,7 @@ def claim_store(path: Path) -> tuple[int, bool]:
         made = not (path / STORE_LOCK).exists()
         fd = HANDOFF.pop(key, None)  # locked by restore() for this open
         if fd is None:
-            fd = take(path, STORE_LOCK, True, "store is open in another process")
+            fd = take(path, STORE_LOCK, True, "store is open in another process", wait=LOCK_WAIT)
         try:  # private even if loosened since, as DiskTier makes LMDB's files
             os.fchmod(fd, 0o600)
         except PermissionError:  # another owner's file: leave it

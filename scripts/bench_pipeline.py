@@ -38,7 +38,11 @@ wait at block ends for background work; ``embedding_side_ms`` is the same thread
 in the whole embedding side (taking the batch, the lookup, the loss and the whole
 backward), against the baseline's (``baseline_embedding_ms``: lookup, loss, backward,
 SGD step).  ``bg_ms``: the background
-threads' store time per step; ``lmdb_ms``: LMDB read + write time per step (any thread).
+threads' store time per step; ``lmdb_ms``: LMDB read + write time per step (any thread);
+``cpu_ms_per_step``: CPU time a timed step of each thread (``training``, ``prefetch``,
+``read-ahead``, ``lmdb-writer``) and of the LMDB I/O children (``io_read``, ``io_write``),
+from ``/proc`` (clock ticks: 10 ms over the window; the training thread's includes the
+baseline blocks).
 
     python scripts/bench_pipeline.py --quick            (< 120 s on an idle 2-core host)
     python scripts/bench_pipeline.py --dense-ms 2
@@ -186,6 +190,51 @@ class Step:
         self.inside += (t1 - t0) + (t2 - t1) + (t4 - t3)
 
 
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(stat_path: str) -> float:
+    """CPU seconds (user + system) of the task whose ``/proc/.../stat`` is ``stat_path``."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _HZ
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process's threads by name (hiermem's background threads
+    and the training thread) and of its LMDB I/O children by mode (``io_read``,
+    ``io_write``): where the background work's CPU goes (Linux; empty elsewhere)."""
+    import threading
+    out: dict[str, float] = {}
+    try:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        me = os.getpid()
+        kids = []
+        for tid in os.listdir(f"/proc/{me}/task"):
+            try:
+                name = names.get(int(tid), "other")
+                name = "training" if name == "MainThread" else name.replace("hiermem-", "")
+                out[name] = out.get(name, 0.0) + _cpu_of(f"/proc/{me}/task/{tid}/stat")
+                with open(f"/proc/{me}/task/{tid}/children") as f:
+                    kids += f.read().split()
+            except OSError:  # a thread that just ended
+                pass
+        for pid in kids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                at = [i for i, x in enumerate(argv) if b"lmdb_server" in x]  # the C build or _lmdb_server.py
+                if not at or len(argv) <= at[0] + 3:
+                    continue
+                key = "io_write" if argv[at[0] + 3][:1] == b"w" else "io_read"  # PATH MAP_SIZE MODE ...
+                out[key] = out.get(key, 0.0) + _cpu_of(f"/proc/{pid}/stat")
+            except OSError:
+                pass
+    except OSError:
+        return {}
+    return out
+
+
 def critical(coll, pipe) -> float:
     """Seconds the training thread has spent inside hiermem so far: the module's forwards
     and backwards, and taking batches from the pipeline."""
@@ -258,6 +307,7 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
                 n += length + phase
         settle(store, pipe)
         s0 = snapshot(store, pipe)
+        cpu0 = cpu_seconds()
         start = n
         for b in batches[max(0, start - 3):start]:  # the baseline's caches warm too
             base(iter([b]))
@@ -296,6 +346,10 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
             hs, bs, ws, i = hs + t1 - t0, bs + t2 - t1, ws + t1 - tw, i + k
         steps = i - start
         res = figures(s0, snapshot(store, pipe), steps, a.batch, wb, hs, ws)
+        cpu1 = cpu_seconds()
+        # background CPU a step (the training thread's includes the baseline blocks' steps)
+        cpu_ms = {k: round(1e3 * (v - cpu0.get(k, 0.0)) / steps, 3) for k, v in sorted(cpu1.items())
+                  if v - cpu0.get(k, 0.0) > 0}
         inside = step.inside - inside0
         crit = critical(coll, pipe) - crit0
         parts = [x - y for x, y in zip((c.lookup_seconds.sum, c.update_seconds.sum,
@@ -328,6 +382,7 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
            "step_ms": round(1e3 * hs / steps, 3), "baseline_step_ms": round(1e3 * bs / steps, 3),
            "dense_ms": a.dense_ms, "bg_ms": ms["bg"],
            "bg_parts_ms": {"prefetch_and_release": round(bg[0], 3), "read_ahead": round(bg[1], 3)},
+           "cpu_ms_per_step": cpu_ms,
            # the share of the prefetch thread's work the training thread did not wait for
            "planner_overlap": round(1 - parts[2] * 1e3 / steps / bg[0], 3) if bg[0] > 0 else None, "lmdb_ms": round(ms["lmdb_read"] + ms["lmdb_write"], 3),
            "lmdb_read_ms": ms["lmdb_read"], "lmdb_write_ms": ms["lmdb_write"], "settle_ms": ms["wait"],

@@ -310,3 +310,43 @@ def test_prefetch_thread_training_scrapes_flushes_checkpoints_and_lookups(tmp_pa
             assert all(bool(torch.isfinite(x).all()) for x in rows(r))
         finally:
             r.close()
+
+
+def test_background_jobs_wait_while_the_training_thread_is_inside_and_never_deadlock():
+    """The pipeline's gate: a background job submitted while the training thread is
+    inside hiermem (gate closed) does not start until it leaves, or until it waits for
+    that job (``wait_idle`` opens the gate meanwhile: no deadlock); a job under way when
+    the gate closes goes on."""
+    from hiermem.nn.pipeline import _Gate, _Worker
+
+    gate = _Gate()
+    w = _Worker(torch.device("cpu"), name="hiermem-test", gate=gate)
+    ran, started, release = [], threading.Event(), threading.Event()
+    try:
+        assert gate.close() and not gate.close()  # a nested entry does not own it
+        w.submit(lambda: ran.append("a"))
+        time.sleep(0.1)
+        assert ran == []  # held at the gate
+        w.wait_idle(5)  # the training thread waits for it: the gate opens, then closes again
+        assert ran == ["a"] and gate.closed_by_me()
+        w.submit(lambda: ran.append("b"))
+        time.sleep(0.05)
+        assert ran == ["a"]
+        gate.open()
+        w.wait_idle(5)
+        assert ran == ["a", "b"]
+
+        def long_job():  # under way when the gate closes: it is not stopped
+            started.set()
+            release.wait(5)
+            ran.append("c")
+        w.submit(long_job)
+        assert started.wait(5)
+        assert gate.close()
+        release.set()
+        w.wait_idle(5)
+        assert ran[-1] == "c" and gate.closed_by_me()
+        gate.open()
+    finally:
+        gate.open()
+        w.close()

@@ -247,6 +247,22 @@ def bag_of(offsets, n):
 
 
 @numba.njit(cache=True, nogil=True)
+def bag_rows(offsets, n, samples):
+    """int64 ``[n]``: the row of each position's bag when the ``B`` bags are ``B /
+    samples`` tables of ``samples`` samples (table-major) and the rows sample-major: bag
+    ``b``'s row is ``(b % samples) * (B / samples) + b // samples``."""
+    out = np.empty(n, dtype=np.int64)
+    nb = offsets.size
+    per = nb // samples
+    for b in range(nb):
+        e = offsets[b + 1] if b + 1 < nb else n
+        r = (b % samples) * per + b // samples
+        for j in range(offsets[b], e):
+            out[j] = r
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
 def offsets_bad(offsets, n):
     """Whether int64 ``offsets [B]`` (B >= 1) fail to start at 0, decrease somewhere or
     pass ``n``: one pass instead of three torch reductions."""

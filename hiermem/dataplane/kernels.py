@@ -131,9 +131,10 @@ BAG_CHUNK = 64
 
 
 @serial
-def pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols):
+def pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols, samples):
     """Bags ``lo:hi`` of :func:`pool` (``cols`` a constant in the specialised callers)."""
     nb = out.shape[0]
+    per = nb // samples
     weighted = scale.size > 0
     nbytes = cols * 4
     acc = scratch(cols)
@@ -155,28 +156,32 @@ def pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out
             ln = np.float32(e - s)
             for c in range(cols):
                 acc[c] /= ln
+        r = (b % samples) * per + b // samples
         for c in range(cols):
-            out[b, c] = acc[c]
+            out[r, c] = acc[c]
 
 
 @parallel
-def pool(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out):
+def pool(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, samples):
     """Pooled rows: ``out[b, :cols] = sum_j rec(gslot[inverse[j]])[:cols] * scale[j]`` over
     bag ``b``'s positions (``/ len`` when ``mean``; an empty bag pools to zeros).
 
     ``inverse``: int64 ``[n]`` each position's distinct row; ``offsets``: int64 ``[B]``;
-    ``out``: float32 ``[B, cols]``, C-contiguous, ``cols <= W``.
+    ``out``: float32 ``[B, cols]``, C-contiguous, ``cols <= W``; ``samples``: ``B``, or
+    the samples ``S`` of bags that are ``B / S`` tables of ``S`` samples each (table-major,
+    as a collection's): bag ``b`` then goes to row ``(b % S) * (B / S) + b // S``, so
+    ``out`` viewed as ``[S, (B / S) * cols]`` holds a sample's tables side by side.
     """
     nb, cols = out.shape
     for ch in prange((nb + BAG_CHUNK - 1) // BAG_CHUNK):
         lo = ch * BAG_CHUNK
         hi = min(nb, lo + BAG_CHUNK)
         if cols == W16:
-            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W16)
+            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W16, samples)
         elif cols == W64:
-            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W64)
+            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, W64, samples)
         else:
-            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols)
+            pool_bags(dev, host, hoff, cap, gslot, inverse, offsets, n, scale, mean, out, lo, hi, cols, samples)
 
 
 @serial

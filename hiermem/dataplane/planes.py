@@ -113,9 +113,11 @@ class DataPlane(ABC):
 
     @abstractmethod
     def pool(self, view, p, inverse: torch.Tensor, offsets: torch.Tensor, n: int, cols: int, mode: str,
-             psw: torch.Tensor | None) -> torch.Tensor:
+             psw: torch.Tensor | None, samples: int | None = None) -> torch.Tensor:
         """Pooled rows ``[len(offsets), cols]`` of bags of positions whose distinct row is
-        ``inverse [n]``, placed at ``p``; ``psw``: per-sample weights (sum mode)."""
+        ``inverse [n]``, placed at ``p``; ``psw``: per-sample weights (sum mode).
+        ``samples``: the bags are tables of ``samples`` bags each (table-major), and the
+        result sample-major, ``[samples, len(offsets) / samples * cols]``."""
 
     @abstractmethod
     def check(self, rg: RowGrads, what: str) -> None:
@@ -161,7 +163,13 @@ class TorchPlane(DataPlane):
 
     name = "torch"
 
-    def pool(self, view, p, inverse, offsets, n, cols, mode, psw):
+    def pool(self, view, p, inverse, offsets, n, cols, mode, psw, samples=None):
+        out = self._pool(view, p, inverse, offsets, n, cols, mode, psw)
+        if samples is None:
+            return out
+        return out.view(-1, samples, cols).transpose(0, 1).reshape(samples, -1)
+
+    def _pool(self, view, p, inverse, offsets, n, cols, mode, psw):
         dev, d = view.device_tier, p.dev
         if d is not None:  # staged (CUDA): the device copies of the control arrays
             inverse, offsets = d.inverse, d.offsets
@@ -253,8 +261,14 @@ def _select(rows: np.ndarray, part: np.ndarray | None, device) -> tuple[torch.Te
 
 
 def _np(x: torch.Tensor | None, empty: np.ndarray) -> np.ndarray:
-    """A contiguous numpy view of a CPU tensor (``empty`` for None)."""
-    return empty if x is None else x.detach().contiguous().numpy()
+    """A contiguous numpy view of a CPU tensor (``empty`` for None).  No torch op where
+    none is needed: each lets a background thread take the GIL from the training thread
+    (measured: 10-60 us each while a prefetch thread runs Python)."""
+    if x is None:
+        return empty
+    if x.requires_grad:
+        x = x.detach()
+    return x.numpy() if x.is_contiguous() else x.contiguous().numpy()
 
 
 #: Below this many floats of work a kernel runs on the calling thread alone (as torch's
@@ -367,15 +381,18 @@ class CompiledPlane(DataPlane):
                     np.empty((dn_src.size, W), dtype=np.float32), K.AHEAD)
         return True
 
-    def pool(self, view, p, inverse, offsets, n, cols, mode, psw):
+    def pool(self, view, p, inverse, offsets, n, cols, mode, psw, samples=None):
         if view.device.type != "cpu":
-            return self._torch.pool(view, p, inverse, offsets, n, cols, mode, psw)
-        out = torch.empty((offsets.numel(), cols), dtype=torch.float32)
+            return self._torch.pool(view, p, inverse, offsets, n, cols, mode, psw, samples)
+        nb = offsets.numel()
+        out = np.empty((nb, cols), dtype=np.float32)  # (a torch.empty would be one more op)
         dev, host = view.device_tier, view.host_tier
         _threads(n * cols)
         K.pool(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, self._gslots(view, p), _np(inverse, _NO_I64),
-               _np(offsets, _NO_I64), n, _np(psw, _NO_F32), mode == "mean", out.numpy())
-        return out
+               _np(offsets, _NO_I64), n, _np(psw, _NO_F32), mode == "mean", out, nb if samples is None else samples)
+        if samples is not None:
+            out = out.reshape(samples, nb // samples * cols)  # rows written sample-major: a view
+        return torch.from_numpy(out)
 
     def check(self, rg, what):
         b = rg.b

@@ -37,12 +37,12 @@ class _PooledLookup(torch.autograd.Function):
     """Forward: ``store.lookup_bags``; backward: ``store.update_bags`` (optimizer fused)."""
 
     @staticmethod
-    def forward(ctx, anchor, module, tables, ids, offsets, weights, pending):  # noqa: D417
+    def forward(ctx, anchor, module, tables, ids, offsets, weights, pending, samples):  # noqa: D417
         ticket = pending.ticket() if pending is not None else None
-        out = module.store.lookup_bags(tables, ids, offsets, module.mode, weights, ticket=ticket)
+        out = module.store.lookup_bags(tables, ids, offsets, module.mode, weights, ticket=ticket, samples=samples)
         if pending is not None:
             pending.looked_up()
-        ctx.module, ctx.pending, ctx.ticket = module, pending, ticket
+        ctx.module, ctx.pending, ctx.ticket, ctx.samples = module, pending, ticket, samples
         ctx.args = (tables, ids, offsets, weights)
         return out
 
@@ -51,15 +51,20 @@ class _PooledLookup(torch.autograd.Function):
         tables, ids, offsets, weights = ctx.args
         module = ctx.module
         t0 = time.perf_counter()
+        gate = ctx.pending.pipe._gate if ctx.pending is not None else None
+        shut = gate is not None and gate.close()
         try:
-            module.store.update_bags(tables, ids, offsets, grad.contiguous(), module.mode, weights, ticket=ctx.ticket,
-                                     stepped=module._all_tables)
+            module.store.update_bags(tables, ids, offsets, grad if grad.is_contiguous() else grad.contiguous(),
+                                     module.mode, weights, ticket=ctx.ticket, stepped=module._all_tables,
+                                     samples=ctx.samples)
         finally:
             if ctx.pending is not None:
                 ctx.pending.release()
+            if shut:
+                gate.open()
             ctx.args = None
             module.thread_seconds["backward"] += time.perf_counter() - t0
-        return (None,) * 7
+        return (None,) * 8
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -108,6 +113,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         #: the step's critical path
         self.thread_seconds = {"forward": 0.0, "backward": 0.0}
         self._cols: dict[tuple, torch.Tensor] = {}
+        # the lookup's autograd input, so that its output requires grad (one tensor for
+        # all steps: its own gradient is never formed)
+        self._anchor = torch.empty(0, requires_grad=True)
         self._all_tables = list(range(len(self.tables)))
         self._table_of = {n: i for i, n in enumerate(self.names)}
         self.output = output
@@ -286,6 +294,12 @@ class CachedEmbeddingBagCollection(nn.Module):
             f.weights.to(self.store.device, torch.float32, non_blocking=True)
         return tables, ids, offsets, weights
 
+    def lookup_samples(self, f: SparseFeatures) -> int | None:
+        """The ``samples`` of this module's ``lookup_bags`` of features ``f`` (its batch
+        size, when the output's columns are the tables' in order: the store then pools
+        straight into the output's layout), else None."""
+        return f.batch_size if f.batch_size > 0 and self._columns(f.keys) is None else None
+
     def _columns(self, keys: tuple[str, ...]) -> torch.Tensor | None:
         """Columns of ``[B, len(keys) * max_dim]`` that form the output in table order."""
         ck = keys
@@ -308,6 +322,16 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.thread_seconds["forward"] += time.perf_counter() - t0
 
     def _forward(self, features, as_dict: bool):
+        pending = self._pending.get(id(features))
+        gate = pending.pipe._gate if pending is not None else None
+        shut = gate is not None and gate.close()
+        try:
+            return self._forward_in(features, as_dict)
+        finally:
+            if shut:
+                gate.open()
+
+    def _forward_in(self, features, as_dict: bool):
         pending = self._pending.pop(id(features), None)
         ready = pending.ready() if pending is not None else None
         if ready is not None:  # formed ahead, off this thread, by the pipeline
@@ -317,13 +341,15 @@ class CachedEmbeddingBagCollection(nn.Module):
             f = self._features(features)
             tables, ids, offsets, weights = self.lookup_tensors(f)
         B, T = f.batch_size, len(f.keys)
-        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-        pooled = _PooledLookup.apply(anchor, self, tables, ids, offsets, weights, pending)
+        cols = self._columns(f.keys)
+        # with the output's columns in table order, the store pools straight into the
+        # [B, T * D] layout (and takes the gradient in it): no transposing copy either way
+        samples = self.lookup_samples(f)
+        pooled = _PooledLookup.apply(self._anchor, self, tables, ids, offsets, weights, pending, samples)
         if pending is not None and not pooled.requires_grad:  # no backward will run: unpin now
             pending.release()
         D = self.store.max_dim
-        flat = pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
-        cols = self._columns(f.keys)
+        flat = pooled if samples is not None else pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
         out = flat if cols is None else flat.index_select(1, cols)
         if as_dict or self.output == "dict":
             return dict(zip(self.output_names, torch.split(out, self.output_dims, dim=1)))

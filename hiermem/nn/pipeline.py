@@ -178,13 +178,62 @@ def _slice_end() -> None:
             _slice_saved = None
 
 
+class _Gate:
+    """Background jobs start only while the training thread is outside hiermem.
+
+    Python threads share one GIL, and every torch op or GIL-free kernel on the training
+    thread lets a waiting background thread take it: measured on the host-backed
+    configuration of ``scripts/bench_pipeline.py``, the forward's reshape (three view ops,
+    10 us alone) took 0.13 ms a step, and its anchor tensor 0.03 ms.  So the training
+    thread closes the gate while it runs its share of a step (taking a batch, the
+    lookup, the fused update) and a background job waits at its start until it opens;
+    a job already running goes on.  The training thread opens it whenever it waits for
+    the background threads (:meth:`_Worker.wait_idle`), so nothing can wait for a job
+    that waits for the gate.  The background work then runs beside the step's dense part
+    (on a GPU host: while the training thread waits for the device, without the GIL).
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._closed = False
+        self.owner: int | None = None  # the thread that closed it
+
+    def close(self) -> bool:
+        """Close it (from the training thread); False when it was closed already (a
+        nested entry: only the outer one opens it)."""
+        if self._closed:
+            return False
+        self._closed = True
+        self.owner = threading.get_ident()
+        return True
+
+    def open(self) -> None:
+        with self._cv:
+            self._closed = False
+            self.owner = None
+            self._cv.notify_all()
+
+    def closed_by_me(self) -> bool:
+        return self._closed and self.owner == threading.get_ident()
+
+    def pass_(self) -> None:
+        """Wait (a background thread) until the gate is open."""
+        if not self._closed:
+            return
+        with self._cv:
+            while self._closed:
+                self._cv.wait()
+
+
 class _Worker:
     """One background thread running store jobs in submission order (``inline``: no
     thread; each job runs at submission, its error surfaced at the next wait, as the
     thread's would be)."""
 
-    def __init__(self, device: torch.device, name: str = "hiermem-prefetch", inline: bool = False):
+    def __init__(self, device: torch.device, name: str = "hiermem-prefetch", inline: bool = False,
+                 gate: _Gate | None = None):
         self._q: queue.Queue = queue.Queue()
+        self._gate = gate
         self._cv = threading.Condition()
         self._submitted = 0
         self._done = 0
@@ -232,6 +281,8 @@ class _Worker:
             fn = self._q.get()
             if fn is None:
                 return
+            if self._gate is not None:
+                self._gate.pass_()
             try:
                 if ctx is not None:
                     with torch.cuda.stream(self._stream):
@@ -249,9 +300,22 @@ class _Worker:
             return self._done < self._submitted
 
     def wait_idle(self, timeout: float | None = None) -> None:
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._done >= self._submitted, timeout):
-                raise TimeoutError("prefetch thread did not finish its jobs in time")
+        g = self._gate
+        reopen = g is not None and g.closed_by_me()
+        if reopen:  # the jobs waited for may wait at the gate
+            with self._cv:
+                busy = self._done < self._submitted
+            if busy:
+                g.open()
+            else:
+                reopen = False
+        try:
+            with self._cv:
+                if not self._cv.wait_for(lambda: self._done >= self._submitted, timeout):
+                    raise TimeoutError("prefetch thread did not finish its jobs in time")
+        finally:
+            if reopen:
+                g.close()
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         if self._error is not None:
@@ -413,8 +477,10 @@ class PrefetchPipeline:
         self._draining = False
         self._gil_slice = gil_slice
         self._sliced = _slice_begin(gil_slice) if self.background else False
-        self._worker = _Worker(self.store.device, inline=not self.background)
-        self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead", inline=not self.background)
+        self._gate = _Gate()
+        self._worker = _Worker(self.store.device, inline=not self.background, gate=self._gate)
+        self._reader = _Worker(torch.device("cpu"), name="hiermem-read-ahead", inline=not self.background,
+                               gate=self._gate)
         self._keep = depth + 2 + self._window  # read-ahead batches the disk tier keeps
         self.wait_seconds = 0.0
         self.next_seconds = 0.0  # the training thread's, in __next__
@@ -491,7 +557,8 @@ class PrefetchPipeline:
                 h.prepare()
                 self._set_lookahead(h)
                 if h.tables is not None:  # bad features: the lookup raises
-                    h.result = self.store.prefetch(h.tables, h.ids, h.offsets, self.module.mode, h.weights)
+                    h.result = self.store.prefetch(h.tables, h.ids, h.offsets, self.module.mode, h.weights,
+                                                   samples=self.module.lookup_samples(h.sf))
             finally:
                 self.prefetch_seconds += time.perf_counter() - t0
                 h.done.set()
@@ -529,9 +596,12 @@ class PrefetchPipeline:
 
     def __next__(self):
         t0 = time.perf_counter()
+        shut = self._gate.close()
         try:
             return self._next()
         finally:
+            if shut:
+                self._gate.open()
             self.next_seconds += time.perf_counter() - t0
 
     @property

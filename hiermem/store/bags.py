@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .multi import BagMemo, MultiIds, Place, Prefetches, ReadyBags, Ticket, bags_of, offsets_of, ticket_batch
+from .multi import (BagMemo, MultiIds, Place, Prefetches, ReadyBags, Ticket, bags_of, check_samples, offsets_of,
+                    ticket_batch)
 from .placed import Batch, Placement
 from ..dataplane import PlaneView
 from ..dataplane.batch import tables_present
@@ -44,7 +45,8 @@ class BagOps:
         self.memo: BagMemo | None = None  # the last lookup, reused by the update that follows it
 
     def lookup(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str,
-               per_sample_weights: torch.Tensor | None, ticket: Ticket | None) -> torch.Tensor:
+               per_sample_weights: torch.Tensor | None, ticket: Ticket | None,
+               samples: int | None = None) -> torch.Tensor:
         """:meth:`HierarchicalStore.lookup_bags <hiermem.store.HierarchicalStore.lookup_bags>`."""
         view, res = self.view, self.view.residency
         staged = res.staged
@@ -54,14 +56,16 @@ class BagOps:
         n = k.numel() if b is None else b.n
         offsets_in = offsets
         ready = ticket.bags if b is not None else None
-        if ready is not None and ready.matches(offsets, mode, per_sample_weights):
+        if ready is not None and ready.matches(offsets, mode, per_sample_weights, samples):
             offsets, bag, scale = ready.offsets, ready.bag, ready.scale
         else:
             offsets = offsets_of(n, offsets)
-            bag, scale = bags_of(n, offsets, mode, per_sample_weights, view.device)
+            bag, scale = bags_of(n, offsets, mode, per_sample_weights, view.device, samples)
         D = self.max_dim
         if n == 0:
-            return torch.zeros((offsets.numel(), D), dtype=torch.float32, device=view.device)
+            nb = offsets.numel()
+            shape = (nb, D) if samples is None else (samples, nb // samples * D)
+            return torch.zeros(shape, dtype=torch.float32, device=view.device)
         prefetched = b is not None
         b = self.multi.batch(t, k) if b is None else b
         extra = staged.extras(b, offsets, bag, scale)
@@ -73,22 +77,24 @@ class BagOps:
             p = self.prefetches.place_batch(b, ticket, extra, self.place)
         staged.staged(b, p, extra)  # the plan's, the placement's and the step's arrays: one copy
         self.memo = BagMemo(ids, ids._version, tables, tables._version, offsets_in, mode, per_sample_weights, b, p,
-                            res.epoch, ticket, bag, scale, offsets.numel())
+                            res.epoch, ticket, bag, scale, offsets.numel(), samples)
         return res.plane.pool(view, p, b.inverse, offsets, n, D, mode,
-                              None if per_sample_weights is None else scale)
+                              None if per_sample_weights is None else scale, samples)
 
-    def prepare(self, n: int, offsets: torch.Tensor, mode: str, per_sample_weights: torch.Tensor | None) -> ReadyBags:
+    def prepare(self, n: int, offsets: torch.Tensor, mode: str, per_sample_weights: torch.Tensor | None,
+                samples: int | None = None) -> ReadyBags:
         """The bags of a lookup of ``n`` ids, validated ahead of it (see :class:`ReadyBags`)."""
         o = offsets_of(n, offsets)
-        bag, scale = bags_of(n, o, mode, per_sample_weights, self.view.device)
-        return ReadyBags(offsets, offsets._version, mode, per_sample_weights, o, bag, scale)
+        bag, scale = bags_of(n, o, mode, per_sample_weights, self.view.device, samples)
+        return ReadyBags(offsets, offsets._version, mode, per_sample_weights, o, bag, scale, samples)
 
     def update(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, mode: str,
-               per_sample_weights: torch.Tensor | None, ticket: Ticket | None, stepped: list[int] | None) -> None:
+               per_sample_weights: torch.Tensor | None, ticket: Ticket | None, stepped: list[int] | None,
+               samples: int | None = None) -> None:
         """:meth:`HierarchicalStore.update_bags <hiermem.store.HierarchicalStore.update_bags>`."""
         view, res = self.view, self.view.residency
         m = self.memo
-        if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights):
+        if m is not None and m.matches(ids, tables, offsets, mode, per_sample_weights, samples):
             b, bag, scale, nbags = m.b, m.bag, m.scale, m.nbags
             p = m.p if m.placement_valid(res.epoch, ticket) else None
             if p is None and ticket is not None and ticket.pinned and not ticket.released:
@@ -97,11 +103,13 @@ class BagOps:
         else:
             t, k = self.multi.ids(tables, ids)
             offsets = offsets_of(k.numel(), offsets)
-            bag, scale = bags_of(k.numel(), offsets, mode, per_sample_weights, view.device)
+            check_samples(samples, offsets.numel())
+            bag, scale = bags_of(k.numel(), offsets, mode, per_sample_weights, view.device, samples)
             b, p, nbags = None, None, offsets.numel()
         D = self.max_dim
-        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or tuple(grad.shape) != (nbags, D):
-            raise InvalidArgumentError(f"grad must be a float tensor of shape {(nbags, D)}")
+        shape = (nbags, D) if samples is None else (samples, nbags // samples * D)
+        if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or tuple(grad.shape) != shape:
+            raise InvalidArgumentError(f"grad must be a float tensor of shape {shape}")
         if bag.numel() == 0:
             for ti in stepped or ():
                 self.steps[ti] += 1
@@ -110,8 +118,15 @@ class BagOps:
             b = self.multi.batch(t, k)
             p = res.locate(b) if ticket is not None and ticket.pinned else None
         # each distinct row's gradient: the sum over its ids of their bag's gradient
-        # (times the id's scale), formed by the data plane
-        self.apply(b, p, grad.detach().to(view.device), bag, scale, stepped)
+        # (times the id's scale), formed by the data plane; with samples, ``bag`` holds
+        # each id's bag's row of the sample-major grad viewed [nbags, D]
+        if grad.requires_grad:  # (each torch op lets a background thread take the GIL: none needless)
+            grad = grad.detach()
+        if grad.device != view.device:
+            grad = grad.to(view.device)
+        if samples is not None:
+            grad = grad.reshape(nbags, D)
+        self.apply(b, p, grad, bag, scale, stepped)
 
     def apply(self, b: Batch, p: Placement | None, grad: torch.Tensor, bag: torch.Tensor,
               scale: torch.Tensor | None, stepped: list[int] | None = None) -> None:

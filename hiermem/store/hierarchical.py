@@ -362,7 +362,8 @@ class HierarchicalStore:
         return self._disk.read_ahead(groups, token, keep=keep)
 
     def prefetch(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None = None,
-                 mode: str = "sum", per_sample_weights: torch.Tensor | None = None) -> Ticket:
+                 mode: str = "sum", per_sample_weights: torch.Tensor | None = None,
+                 samples: int | None = None) -> Ticket:
         """Make the rows of an upcoming batch resident (device first) and pin them.
 
         Residency is accounted here, exactly as the batch's lookup would account it; the
@@ -376,9 +377,10 @@ class HierarchicalStore:
         Args:
             tables: table index of each id (int, 1-D).
             ids: the ids (int, 1-D), duplicates allowed.
-            offsets, mode, per_sample_weights: the bags of the ``lookup_bags`` this ticket
-                is for, when known: their validation and each id's bag are done here (on the
-                prefetch thread), and that lookup, given these very tensors, reuses them.
+            offsets, mode, per_sample_weights, samples: the bags of the ``lookup_bags``
+                this ticket is for, when known: their validation and each id's bag are done
+                here (on the prefetch thread), and that lookup, given these very tensors,
+                reuses them.
         """
         with self._lock:
             self._check_open()
@@ -387,7 +389,7 @@ class HierarchicalStore:
                 self._recorder.record(b)
             ticket = self._prefetches.prefetch(b, tables, ids, self._place)
             if offsets is not None and b is not None:
-                ticket.bags = self._bags.prepare(b.n, offsets, mode, per_sample_weights)
+                ticket.bags = self._bags.prepare(b.n, offsets, mode, per_sample_weights, samples)
             return ticket
 
     def release(self, ticket: Ticket) -> None:
@@ -454,7 +456,8 @@ class HierarchicalStore:
 
     @timed("lookup_seconds")
     def lookup_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str = "sum",
-                    per_sample_weights: torch.Tensor | None = None, ticket: Ticket | None = None) -> torch.Tensor:
+                    per_sample_weights: torch.Tensor | None = None, ticket: Ticket | None = None,
+                    samples: int | None = None) -> torch.Tensor:
         """Pooled rows of bags over several tables: ``[len(offsets), max_dim]``.
 
         Bag ``i`` holds ``ids[offsets[i]:offsets[i+1]]``, all of one table (``tables``
@@ -463,15 +466,21 @@ class HierarchicalStore:
 
         Args:
             ticket: the :meth:`prefetch` ticket of this batch, if it was prefetched.
+            samples: when the bags are ``T`` tables of ``samples`` bags each (table-major,
+                as a collection's features), the result is sample-major instead:
+                ``[samples, T * max_dim]``, sample ``s``'s bag of the ``t``-th table at
+                columns ``t * max_dim ..``, written there by the pooling itself (no
+                transposing copy, and none for the gradient in :meth:`update_bags`).
         """
         with self._lock:
             self._check_open()
-            return self._bags.lookup(tables, ids, offsets, mode, per_sample_weights, ticket)
+            return self._bags.lookup(tables, ids, offsets, mode, per_sample_weights, ticket, samples)
 
     @timed("update_seconds")
     def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
                     mode: str = "sum", per_sample_weights: torch.Tensor | None = None,
-                    ticket: Ticket | None = None, stepped: list[int] | None = None) -> None:
+                    ticket: Ticket | None = None, stepped: list[int] | None = None,
+                    samples: int | None = None) -> None:
         """The backward of :meth:`lookup_bags` fused with the optimizer step.
 
         ``grad [len(offsets), max_dim]`` is the gradient of the pooled bags (columns past
@@ -483,10 +492,11 @@ class HierarchicalStore:
         ``stepped``: table indices that take an optimizer step even without ids in this
         batch (the collection passes all its tables: Adam's step count then follows
         ``torch.optim.SparseAdam`` on an ``nn.EmbeddingBag`` that saw an empty batch).
+        ``samples``: as the lookup's; ``grad`` is then ``[samples, T * max_dim]``.
         """
         with self._lock:
             self._check_open()
-            self._bags.update(tables, ids, offsets, grad, mode, per_sample_weights, ticket, stepped)
+            self._bags.update(tables, ids, offsets, grad, mode, per_sample_weights, ticket, stepped, samples)
 
     # -- read-only views for the store's collaborators (metrics, pipeline, modules) ------
     @property

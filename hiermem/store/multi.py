@@ -26,7 +26,7 @@ import torch
 
 from . import validate
 from .placed import Batch, Placement, dedup, runs
-from ..dataplane.batch import bag_of, first_bad, offsets_bad, sorted_runs
+from ..dataplane.batch import bag_of, bag_rows, first_bad, offsets_bad, sorted_runs
 from ..dataplane.staging import to_host
 from ..errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError
 from ..observe.stats import IO, Counters
@@ -105,10 +105,11 @@ class ReadyBags:
     offsets: torch.Tensor
     bag: torch.Tensor
     scale: torch.Tensor | None
+    samples: int | None = None
 
-    def matches(self, offsets, mode, psw) -> bool:
+    def matches(self, offsets, mode, psw, samples: int | None = None) -> bool:
         return (self.offsets_in is offsets and self.offsets_version == offsets._version and self.mode == mode
-                and self.psw is psw)
+                and self.psw is psw and self.samples == samples)
 
 
 @dataclass
@@ -129,9 +130,10 @@ class BagMemo:
     bag: torch.Tensor
     scale: torch.Tensor | None
     nbags: int
+    samples: int | None = None
 
-    def matches(self, ids, tables, offsets, mode, psw) -> bool:
-        return (self.ids is ids and self.ids_version == ids._version and self.tables is tables
+    def matches(self, ids, tables, offsets, mode, psw, samples: int | None = None) -> bool:
+        return (self.samples == samples and self.ids is ids and self.ids_version == ids._version and self.tables is tables
                 and self.tables_version == tables._version and self.offsets is offsets
                 and self.offsets_version == offsets._version and self.mode == mode and self.psw is psw
                 and (psw is None or self.psw_version == psw._version))
@@ -164,13 +166,29 @@ def offsets_of(n: int, offsets) -> torch.Tensor:
     return offsets
 
 
-def bags_of(n: int, offsets: torch.Tensor, mode: str, psw, device: torch.device
+def check_samples(samples: int | None, nbags: int) -> None:
+    """``samples`` (see :meth:`HierarchicalStore.lookup_bags`) must divide the bags."""
+    if samples is None:
+        return
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1 or nbags % samples:
+        raise InvalidArgumentError(f"samples must be a positive int that divides the {nbags} bags, got {samples!r}")
+
+
+def bags_of(n: int, offsets: torch.Tensor, mode: str, psw, device: torch.device, samples: int | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Bag of each of ``n`` ids, and the per-id scale (per-sample weight on ``device``,
-    1/len for mean on the CPU, else None)."""
+    """Bag of each of ``n`` ids (with ``samples``: its bag's sample-major row, see
+    :func:`~hiermem.dataplane.batch.bag_rows`), and the per-id scale (per-sample weight on
+    ``device``, 1/len for mean on the CPU, else None)."""
     if mode not in ("sum", "mean"):
         raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
-    bag = torch.from_numpy(bag_of(offsets.contiguous().numpy(), n))  # one compiled pass
+    o = offsets.contiguous().numpy()
+    if samples is not None:
+        check_samples(samples, o.size)
+        rows = torch.from_numpy(bag_rows(o, n, samples))
+        # the scales are per position, whatever the rows (weights validated there)
+        scale = bags_of(n, offsets, mode, psw, device)[1] if psw is not None or mode == "mean" else None
+        return rows, scale
+    bag = torch.from_numpy(bag_of(o, n))  # one compiled pass
     scale = None
     if psw is not None:
         if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):

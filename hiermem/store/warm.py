@@ -111,7 +111,7 @@ def _exercise_kernels(part: int | None = None) -> None:
     src = np.array([0, 0, 1], dtype=i64)  # positions' bags
     if part in (None, 0):
         K.pool(dev, host, hoff, 4, gslot, np.array([0, 1, 1], dtype=i64), np.array([0, 2], dtype=i64), 3,
-               np.zeros(0, dtype=f32), False, np.zeros((2, 4), dtype=f32))
+               np.zeros(0, dtype=f32), False, np.zeros((2, 4), dtype=f32), 2)
     grad = np.ones((2, 4), dtype=f32)
     for opt in (SGD(lr=0.1),) if part in (None, 0) else ():
         kernel, params = FUSED[type(opt)]

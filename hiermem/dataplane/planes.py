@@ -409,7 +409,8 @@ class CompiledPlane(DataPlane):
         # per add): far from float32's max, no sum can overflow.  Otherwise (NaN/inf
         # somewhere, perhaps in a row no id reads, or a loose bound) the sums themselves
         # decide, formed by torch (and then applied by torch)
-        if not ok or gmax * smax * int(b.counts.max()) * 2.0 >= _F32_MAX:
+        # (the count's bound, the batch's positions, spares a reduction over the counts)
+        if not ok or (gmax * smax * b.n * 2.0 >= _F32_MAX and gmax * smax * int(b.counts.max()) * 2.0 >= _F32_MAX):
             self._torch.check(rg, what)
 
     def apply(self, view, rg, p, present):

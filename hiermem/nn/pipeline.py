@@ -186,8 +186,9 @@ class _Gate:
     configuration of ``scripts/bench_pipeline.py``, the forward's reshape (three view ops,
     10 us alone) took 0.13 ms a step, and its anchor tensor 0.03 ms.  So the training
     thread closes the gate while it runs its share of a step (taking a batch, the
-    lookup, the fused update) and a background job waits at its start until it opens;
-    a job already running goes on.  The training thread opens it whenever it waits for
+    lookup, the fused update): a job submitted meanwhile is queued when it opens (so no
+    thread even wakes, which would take the GIL to return from its queue's wait), a job
+    queued before waits at its start until it opens, and a job already running goes on.  The training thread opens it whenever it waits for
     the background threads (:meth:`_Worker.wait_idle`), so nothing can wait for a job
     that waits for the gate.  The background work then runs beside the step's dense part
     (on a GPU host: while the training thread waits for the device, without the GIL).
@@ -197,6 +198,7 @@ class _Gate:
         self._cv = threading.Condition(threading.Lock())
         self._closed = False
         self.owner: int | None = None  # the thread that closed it
+        self._held: list = []  # (queue, job) submitted while closed, in order
 
     def close(self) -> bool:
         """Close it (from the training thread); False when it was closed already (a
@@ -211,7 +213,14 @@ class _Gate:
         with self._cv:
             self._closed = False
             self.owner = None
+            held, self._held = self._held, []
             self._cv.notify_all()
+        for q, fn in held:
+            q.put(fn)
+
+    def hold(self, q: queue.Queue, fn) -> None:
+        """Queue ``fn`` on ``q`` when the gate opens (the closing thread's submission)."""
+        self._held.append((q, fn))
 
     def closed_by_me(self) -> bool:
         return self._closed and self.owner == threading.get_ident()
@@ -268,7 +277,11 @@ class _Worker:
             return
         with self._cv:
             self._submitted += 1
-        self._q.put(fn)
+        g = self._gate
+        if g is not None and g.closed_by_me():
+            g.hold(self._q, fn)
+        else:
+            self._q.put(fn)
 
     def _run(self) -> None:
         lower_this_thread()  # background work: the training thread first

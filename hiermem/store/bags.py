@@ -141,7 +141,8 @@ class BagOps:
             p = self.prefetches.retry(lambda: self.place(b, account=False))  # under the store's lock
         if staged.active and p.dev is None:  # located, not placed: its slots to the device
             p.dev = staged.stage(b, p)
-        present = tables_present(b.t.contiguous().numpy(), len(view.dims)).tolist()  # one compiled pass
+        t = b.t if b.t.is_contiguous() else b.t.contiguous()
+        present = tables_present(t.numpy(), len(view.dims)).tolist()  # one compiled pass
         steps = sorted(set(stepped or ()) | set(present))
         for ti in steps:  # in the batch without ids: a step, as SparseAdam's
             self.steps[ti] += 1

@@ -193,7 +193,10 @@ class StagedPath:
         control arrays staged on the device (the placement's when they are there, else
         staged now: one copy) when the store stages.  ``reuse_bags``: ``src``/``scale``
         are the ones staged with ``p`` (the same call's lookup), if any were."""
-        grad = grad.to(torch.float32).contiguous()
+        if grad.dtype != torch.float32:
+            grad = grad.to(torch.float32)
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
         d = None
         if self.active and b.perm is not None:
             d = p.dev if p is not None else None

@@ -305,12 +305,12 @@ def install_kill_point(store: hm.HierarchicalStore, mode: str, nth: int) -> dict
         _checkpoint_kill_point(store, mode, nth)
     real_prefetch = store.prefetch
 
-    def prefetch(tables, ids, *bags):  # runs on the pipeline's thread
+    def prefetch(tables, ids, *bags, **kw):  # runs on the pipeline's thread
         with store.lock:
             print("P", flush=True)
             in_prefetch[0] = True
             try:
-                return real_prefetch(tables, ids, *bags)
+                return real_prefetch(tables, ids, *bags, **kw)
             finally:
                 in_prefetch[0] = False
                 print("p", flush=True)
@@ -328,9 +328,14 @@ def pipeline_segment(store: hm.HierarchicalStore, ref: "Reference", log: "Log", 
     module = hm.CachedEmbeddingBagCollection(TABLES, store=store)
     real_update = store.update_bags
 
-    def update_bags(tables, ids, offsets, grad, mode="sum", per_sample_weights=None, ticket=None, stepped=None):
+    def update_bags(tables, ids, offsets, grad, mode="sum", per_sample_weights=None, ticket=None, stepped=None,
+                    samples=None):
         with store.lock:
-            real_update(tables, ids, offsets, grad, mode, per_sample_weights, ticket=ticket, stepped=stepped)
+            real_update(tables, ids, offsets, grad, mode, per_sample_weights, ticket=ticket, stepped=stepped,
+                        samples=samples)
+            if samples is not None:  # the collection's [B, T * D] layout: the bags' [T * B, D] for the reference
+                D = store.max_dim
+                grad = grad.reshape(samples, -1, D).transpose(0, 1).reshape(-1, D)
             lengths = torch.diff(offsets.cpu(), append=torch.tensor([ids.numel()]))
             g_ids = grad.detach().float().cpu()[torch.repeat_interleave(torch.arange(offsets.numel()), lengths)]
             present = torch.unique(tables).tolist()

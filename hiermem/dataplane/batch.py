@@ -234,29 +234,18 @@ def first_bad(t, k, ntables, max_ids):
 
 
 @numba.njit(cache=True, nogil=True)
-def bag_of(offsets, n):
+def bag_of(offsets, n, samples):
     """int64 ``[n]``: the bag of each position (bag ``b`` holds ``[offsets[b], offsets[b+1])``,
-    the last one up to ``n``)."""
+    the last one up to ``n``); with ``samples > 0``, when the ``B`` bags are ``B /
+    samples`` tables of ``samples`` samples (table-major), its bag's row when the rows are
+    sample-major instead: ``(b % samples) * (B / samples) + b // samples``."""
     out = np.empty(n, dtype=np.int64)
     nb = offsets.size
+    s = samples if samples > 0 else max(nb, 1)  # (B samples of one table: the bag itself)
+    per = nb // s
     for b in range(nb):
         e = offsets[b + 1] if b + 1 < nb else n
-        for j in range(offsets[b], e):
-            out[j] = b
-    return out
-
-
-@numba.njit(cache=True, nogil=True)
-def bag_rows(offsets, n, samples):
-    """int64 ``[n]``: the row of each position's bag when the ``B`` bags are ``B /
-    samples`` tables of ``samples`` samples (table-major) and the rows sample-major: bag
-    ``b``'s row is ``(b % samples) * (B / samples) + b // samples``."""
-    out = np.empty(n, dtype=np.int64)
-    nb = offsets.size
-    per = nb // samples
-    for b in range(nb):
-        e = offsets[b + 1] if b + 1 < nb else n
-        r = (b % samples) * per + b // samples
+        r = (b % s) * per + b // s
         for j in range(offsets[b], e):
             out[j] = r
     return out

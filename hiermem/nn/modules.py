@@ -322,17 +322,16 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.thread_seconds["forward"] += time.perf_counter() - t0
 
     def _forward(self, features, as_dict: bool):
-        pending = self._pending.get(id(features))
+        pending = self._pending.pop(id(features), None)
         gate = pending.pipe._gate if pending is not None else None
         shut = gate is not None and gate.close()
         try:
-            return self._forward_in(features, as_dict)
+            return self._forward_in(features, as_dict, pending)
         finally:
             if shut:
                 gate.open()
 
-    def _forward_in(self, features, as_dict: bool):
-        pending = self._pending.pop(id(features), None)
+    def _forward_in(self, features, as_dict: bool, pending):
         ready = pending.ready() if pending is not None else None
         if ready is not None:  # formed ahead, off this thread, by the pipeline
             f = pending.sf

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .multi import (BagMemo, MultiIds, Place, Prefetches, ReadyBags, Ticket, bags_of, check_samples, offsets_of,
-                    ticket_batch)
+from .multi import BagMemo, MultiIds, Place, Prefetches, ReadyBags, Ticket, bags_of, offsets_of, ticket_batch
 from .placed import Batch, Placement
 from ..dataplane import PlaneView
 from ..dataplane.batch import tables_present
@@ -103,7 +102,6 @@ class BagOps:
         else:
             t, k = self.multi.ids(tables, ids)
             offsets = offsets_of(k.numel(), offsets)
-            check_samples(samples, offsets.numel())
             bag, scale = bags_of(k.numel(), offsets, mode, per_sample_weights, view.device, samples)
             b, p, nbags = None, None, offsets.numel()
         D = self.max_dim

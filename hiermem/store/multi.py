@@ -26,7 +26,7 @@ import torch
 
 from . import validate
 from .placed import Batch, Placement, dedup, runs
-from ..dataplane.batch import bag_of, bag_rows, first_bad, offsets_bad, sorted_runs
+from ..dataplane.batch import bag_of, first_bad, offsets_bad, sorted_runs
 from ..dataplane.staging import to_host
 from ..errors import CapacityError, InvalidArgumentError, InvalidIdError, InvalidTypeError
 from ..observe.stats import IO, Counters
@@ -177,18 +177,13 @@ def check_samples(samples: int | None, nbags: int) -> None:
 def bags_of(n: int, offsets: torch.Tensor, mode: str, psw, device: torch.device, samples: int | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bag of each of ``n`` ids (with ``samples``: its bag's sample-major row, see
-    :func:`~hiermem.dataplane.batch.bag_rows`), and the per-id scale (per-sample weight on
+    :func:`~hiermem.dataplane.batch.bag_of`), and the per-id scale (per-sample weight on
     ``device``, 1/len for mean on the CPU, else None)."""
     if mode not in ("sum", "mean"):
         raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
     o = offsets.contiguous().numpy()
-    if samples is not None:
-        check_samples(samples, o.size)
-        rows = torch.from_numpy(bag_rows(o, n, samples))
-        # the scales are per position, whatever the rows (weights validated there)
-        scale = bags_of(n, offsets, mode, psw, device)[1] if psw is not None or mode == "mean" else None
-        return rows, scale
-    bag = torch.from_numpy(bag_of(o, n))  # one compiled pass
+    check_samples(samples, o.size)
+    bag = torch.from_numpy(bag_of(o, n, samples or 0))  # one compiled pass
     scale = None
     if psw is not None:
         if not isinstance(psw, torch.Tensor) or not psw.is_floating_point() or tuple(psw.shape) != (n,):
@@ -199,7 +194,8 @@ def bags_of(n: int, offsets: torch.Tensor, mode: str, psw, device: torch.device,
         scale = psw.detach().to(device, torch.float32, non_blocking=True)
     elif mode == "mean":  # on the CPU, staged to the device with the batch's control arrays
         lengths = torch.diff(offsets, append=torch.tensor([n]))
-        scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
+        own = bag if samples is None else torch.from_numpy(bag_of(o, n, 0))  # per position, whatever the rows
+        scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, own)
     return bag, scale
 
 

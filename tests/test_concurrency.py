@@ -350,3 +350,74 @@ def test_background_jobs_wait_while_the_training_thread_is_inside_and_never_dead
     finally:
         gate.open()
         w.close()
+
+
+def test_a_parked_gate_holds_jobs_until_the_forward_leaves_and_any_other_entry_opens_it():
+    """Taking a batch parks the gate: the jobs it submitted start when that batch's
+    forward leaves (the forward takes the gate over), or when anyone else enters first
+    (a batch taken and never looked up), or while the training thread waits for them;
+    a wait leaves it parked as it found it."""
+    from hiermem.nn.pipeline import _Gate, _Worker
+
+    gate = _Gate()
+    w = _Worker(torch.device("cpu"), name="hiermem-test", gate=gate)
+    ran = []
+    try:
+        assert gate.close()
+        w.submit(lambda: ran.append("a"))
+        gate.park()  # __next__ leaves
+        time.sleep(0.05)
+        assert ran == [] and gate.parked
+        assert gate.close(take_over=True)  # the forward: owns it now, still closed
+        assert not gate.parked and gate.closed_by_me()
+        time.sleep(0.05)
+        assert ran == []
+        gate.open()  # the forward leaves
+        w.wait_idle(5)
+        assert ran == ["a"]
+
+        assert gate.close()
+        w.submit(lambda: ran.append("b"))
+        gate.park()
+        assert gate.close()  # not the forward (say, the next __next__): it opens first
+        w.wait_idle(5)
+        assert ran == ["a", "b"] and gate.closed_by_me() and not gate.parked
+        w.submit(lambda: ran.append("c"))
+        gate.park()
+        w.wait_idle(5)  # waiting for it opens the gate meanwhile, and parks it again
+        assert ran == ["a", "b", "c"] and gate.parked
+        gate.open()
+    finally:
+        gate.open()
+        w.close()
+
+
+def test_a_long_pipelined_run_keeps_only_the_batches_in_flight(tmp_path):
+    """Handles, tickets and the tensors they hold are freed once their batch is done:
+    a handle linking to the batch it starts (``next``) must not chain every batch since
+    the first to the first (memory growing each step, and every allocation of the
+    prefetch thread on fresh pages)."""
+    import gc
+
+    from hiermem.nn.pipeline import _Handle
+
+    T, R, D, B = 2, 50, 4, 8
+    g = torch.Generator().manual_seed(0)
+    batches = [hm.SparseFeatures(("t0", "t1"), torch.randint(0, R, (2 * T * B,), generator=g),
+                                 torch.full((T * B,), 2)) for _ in range(80)]
+    cfg = hm.StoreConfig(path=tmp_path / "s", optimizer=hm.SGD(lr=0.1), device="cpu",
+                         device_rows=40, host_rows=200)
+    coll = hm.CachedEmbeddingBagCollection([hm.TableSpec(f"t{i}", R, D) for i in range(T)], cfg)
+
+    def live():
+        gc.collect()
+        return sum(isinstance(o, _Handle) for o in gc.get_objects())
+
+    counts = []
+    with hm.PrefetchPipeline(iter(batches), coll, depth=2, background=True) as pipe:
+        for i, f in enumerate(pipe):
+            coll(f).sum().backward()
+            if i in (20, 70):
+                counts.append(live())
+    assert counts[1] <= counts[0] <= 2 * (2 + 2 + 2), counts  # depth + 2 read ahead, the index's margin
+    coll.store.close()

@@ -324,7 +324,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _forward(self, features, as_dict: bool):
         pending = self._pending.pop(id(features), None)
         gate = pending.pipe._gate if pending is not None else None
-        shut = gate is not None and gate.close()
+        shut = gate is not None and gate.close(take_over=True)
         try:
             return self._forward_in(features, as_dict, pending)
         finally:

@@ -197,21 +197,37 @@ class _Gate:
     def __init__(self) -> None:
         self._cv = threading.Condition(threading.Lock())
         self._closed = False
+        self._parked = False  # closed by a batch's taking, until that batch's forward
         self.owner: int | None = None  # the thread that closed it
         self._held: list = []  # (queue, job) submitted while closed, in order
 
-    def close(self) -> bool:
+    def close(self, take_over: bool = False) -> bool:
         """Close it (from the training thread); False when it was closed already (a
-        nested entry: only the outer one opens it)."""
+        nested entry: only the outer one opens it).  A parked gate is taken over by the
+        forward (``take_over``: it stays closed, and the forward opens it); anyone else
+        opens it first, so what was held while parked starts (a batch taken and never
+        looked up holds nothing for longer than the next entry)."""
+        if self._parked:
+            if take_over and self.owner == threading.get_ident():
+                self._parked = False
+                return True
+            self.open()
         if self._closed:
             return False
         self._closed = True
         self.owner = threading.get_ident()
         return True
 
+    def park(self) -> None:
+        """Leave it closed past the caller's exit (taking a batch): the batch's forward
+        follows at once on a training loop, and the jobs submitted meanwhile (the
+        read-ahead of a later batch) would otherwise wake and take the GIL beside it.
+        The forward, the next entry or any wait for the background threads opens it."""
+        self._parked = True
+
     def open(self) -> None:
         with self._cv:
-            self._closed = False
+            self._closed = self._parked = False
             self.owner = None
             held, self._held = self._held, []
             self._cv.notify_all()
@@ -221,6 +237,10 @@ class _Gate:
     def hold(self, q: queue.Queue, fn) -> None:
         """Queue ``fn`` on ``q`` when the gate opens (the closing thread's submission)."""
         self._held.append((q, fn))
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
 
     def closed_by_me(self) -> bool:
         return self._closed and self.owner == threading.get_ident()
@@ -315,6 +335,7 @@ class _Worker:
     def wait_idle(self, timeout: float | None = None) -> None:
         g = self._gate
         reopen = g is not None and g.closed_by_me()
+        parked = reopen and g.parked
         if reopen:  # the jobs waited for may wait at the gate
             with self._cv:
                 busy = self._done < self._submitted
@@ -327,8 +348,10 @@ class _Worker:
                 if not self._cv.wait_for(lambda: self._done >= self._submitted, timeout):
                     raise TimeoutError("prefetch thread did not finish its jobs in time")
         finally:
-            if reopen:
+            if reopen:  # as it was: closed, or parked
                 g.close()
+                if parked:
+                    g.park()
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         if self._error is not None:
@@ -408,7 +431,14 @@ class _Handle:
         # a pinned batch cannot lose its rows to the next prefetch: start it now, while
         # this step computes; an unpinned one would, so its successor waits for release
         if self.next is not None and prefetch_now(self.result):
-            self.pipe._submit(self.next)
+            self.submit_next()
+
+    def submit_next(self) -> None:
+        """Submit the batch waiting on this one, and drop the link: a chain of handles,
+        each holding the next, would keep every batch's ticket and tensors alive."""
+        h, self.next = self.next, None
+        if h is not None:
+            self.pipe._submit(h)
 
     def release(self) -> None:
         if self.released:
@@ -421,8 +451,7 @@ class _Handle:
                 w.submit(lambda: self.pipe._timed_release(ticket))
             else:  # the same order: nothing is queued before it; no thread round trip
                 self.pipe._timed_release(ticket)
-        if self.next is not None:
-            self.pipe._submit(self.next)  # no-op when already submitted
+        self.submit_next()
 
 
 class PrefetchPipeline:
@@ -510,8 +539,7 @@ class PrefetchPipeline:
             self.min_effective_depth = 0  # no batch is ever held ahead
             return
         self._fill()
-        for h in self._initial:
-            self._submit(h)
+        self._submit_initial()
 
     # -- internals ---------------------------------------------------------------------
     def _read(self) -> bool:
@@ -539,6 +567,12 @@ class PrefetchPipeline:
         self._recent.append(h)
         self._ahead.append((batch, h))
         return True
+
+    def _submit_initial(self) -> None:
+        """Prefetch the first ``depth`` batches read (and hold them no longer)."""
+        hs, self._initial = self._initial, []
+        for h in hs:
+            self._submit(h)
 
     def _read_ahead(self, h: _Handle) -> None:
         t0 = time.perf_counter()
@@ -613,8 +647,8 @@ class PrefetchPipeline:
         try:
             return self._next()
         finally:
-            if shut:
-                self._gate.open()
+            if shut:  # the batch's forward (or the next entry) opens it
+                self._gate.park()
             self.next_seconds += time.perf_counter() - t0
 
     @property
@@ -643,8 +677,8 @@ class PrefetchPipeline:
         while self._live:  # batches whose backward never ran (eval, skipped): unpin them
             h = self._live.popleft()
             self.module.forget(h.features)
-            if not h.looked and h.next is not None:
-                self._submit(h.next)
+            if not h.looked:
+                h.submit_next()
             h.release()
         self._fill()
         if not self._ahead:
@@ -704,8 +738,7 @@ class PrefetchPipeline:
             self._recent.clear()
             self._initial = []
             self._fill()
-            for h in self._initial:
-                self._submit(h)
+            self._submit_initial()
         else:  # the batches already read ahead (and prefetched) are yielded first
             self._draining, self._in_mode = True, 0
 

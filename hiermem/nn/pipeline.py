@@ -188,9 +188,11 @@ class _Gate:
     thread closes the gate while it runs its share of a step (taking a batch, the
     lookup, the fused update): a job submitted meanwhile is queued when it opens (so no
     thread even wakes, which would take the GIL to return from its queue's wait), a job
-    queued before waits at its start until it opens, and a job already running goes on.  The training thread opens it whenever it waits for
-    the background threads (:meth:`_Worker.wait_idle`), so nothing can wait for a job
-    that waits for the gate.  The background work then runs beside the step's dense part
+    queued before waits at its start until it opens, and a job already running goes on.
+    Taking a batch parks it (:meth:`park`): closed until that batch's forward leaves,
+    since on a training loop the forward follows at once.  The training thread opens it
+    whenever it waits for the background threads (:meth:`_Worker.wait_idle`), so
+    nothing can wait for a job that waits for the gate.  The background work then runs beside the step's dense part
     (on a GPU host: while the training thread waits for the device, without the GIL).
     """
 

@@ -419,6 +419,8 @@ class _Handle:
         p._worker.wait_idle(p.timeout)
         p.wait_seconds += time.perf_counter() - t0
         r = self.result
+        if r is None or not r.pinned:  # a lookup that places rows: earlier batches' pins go first
+            p._drain_releases()
         if r is None or (not r.pinned and not r.accounted):  # a plain, accounted lookup follows
             p._set_lookahead(self)
         if late and self.result is not None:
@@ -448,11 +450,18 @@ class _Handle:
         self.released = True
         ticket = self.result
         if ticket is not None:
-            w = self.pipe._worker
-            if w.busy():  # after the jobs already queued (the next batch's prefetch), in order
-                w.submit(lambda: self.pipe._timed_release(ticket))
+            p = self.pipe
+            w = p._worker
+            if self.next is None:
+                # nothing waits on it: the next prefetch job unpins it first (the same
+                # order: before any later batch is placed), or a wait does; the training
+                # thread's backward neither runs it nor wakes a thread for it
+                p._deferred.append((p._deferred_n, ticket))
+                p._deferred_n += 1
+            elif w.busy():  # after the jobs already queued (the next batch's prefetch), in order
+                w.submit(lambda: p._timed_release(ticket))
             else:  # the same order: nothing is queued before it; no thread round trip
-                self.pipe._timed_release(ticket)
+                p._timed_release(ticket)
         self.submit_next()
 
 
@@ -537,6 +546,8 @@ class PrefetchPipeline:
         self.min_effective_depth = depth
         self._closed = False
         self._initial: list[_Handle] = []
+        self._deferred: deque = deque()  # (seq, ticket) of finished batches, to unpin (see _Handle.release)
+        self._deferred_n = 0
         if self.mode == "foreground":  # batches pass through; the module's lookups place their rows
             self.min_effective_depth = 0  # no batch is ever held ahead
             return
@@ -592,6 +603,7 @@ class PrefetchPipeline:
         if h.submitted:
             return
         h.submitted = True
+        upto = self._deferred_n
 
         def job():
             # the batch's LMDB reads are its read-ahead's, done outside the store's lock: wait
@@ -603,6 +615,7 @@ class PrefetchPipeline:
             t0 = time.perf_counter()
             self.read_ahead_wait_seconds += t0 - t_w
             try:
+                self._drain_releases(upto)
                 h.prepare()
                 self._set_lookahead(h)
                 if h.tables is not None:  # bad features: the lookup raises
@@ -612,6 +625,14 @@ class PrefetchPipeline:
                 self.prefetch_seconds += time.perf_counter() - t0
                 h.done.set()
         self._worker.submit(job)
+
+    def _drain_releases(self, upto: int | None = None) -> None:
+        """Unpin the finished batches' deferred tickets (each once): all of them, or (a
+        prefetch job) those deferred before ``upto``, the count when it was submitted, so a
+        job that starts late unpins what an inline one would have, no more."""
+        d = self._deferred
+        while d and (upto is None or d[0][0] < upto):
+            self._timed_release(d.popleft()[1])
 
     def _timed_release(self, ticket: Ticket) -> None:
         t0 = time.perf_counter()
@@ -753,6 +774,7 @@ class PrefetchPipeline:
             h.release()
         self._worker.wait_idle(self.timeout)
         self._reader.wait_idle(self.timeout)
+        self._drain_releases()
         self.store.disk.drop_read_ahead()  # nothing reads ahead now: spare reads and writes the cache's checks
         self._recent.clear()
         self.mode, self._draining, self._in_mode = "foreground", False, 0
@@ -782,9 +804,11 @@ class PrefetchPipeline:
 
     def wait_idle(self) -> None:
         """Block until the prefetch and read-ahead threads have run every job submitted so
-        far (a benchmark's clock then holds all the background work of its steps)."""
+        far (a benchmark's clock then holds all the background work of its steps), and
+        unpin the batches already done with."""
         self._worker.wait_idle(self.timeout)
         self._reader.wait_idle(self.timeout)
+        self._drain_releases()
 
     def close(self) -> None:
         """Release every pin and stop the thread (idempotent)."""
@@ -800,6 +824,7 @@ class PrefetchPipeline:
         try:
             self._worker.wait_idle(self.timeout)
             self._reader.wait_idle(self.timeout)
+            self._drain_releases()
         finally:
             self._worker.close()
             self._reader.close()

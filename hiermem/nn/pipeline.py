@@ -192,8 +192,9 @@ class _Gate:
     Taking a batch parks it (:meth:`park`): closed until that batch's forward leaves,
     since on a training loop the forward follows at once.  The training thread opens it
     whenever it waits for the background threads (:meth:`_Worker.wait_idle`), so
-    nothing can wait for a job that waits for the gate.  The background work then runs beside the step's dense part
-    (on a GPU host: while the training thread waits for the device, without the GIL).
+    nothing can wait for a job that waits for the gate.  The background work then runs
+    beside the step's dense part (on a GPU host: while the training thread waits for the
+    device, without the GIL).
     """
 
     def __init__(self) -> None:
@@ -451,15 +452,14 @@ class _Handle:
         ticket = self.result
         if ticket is not None:
             p = self.pipe
-            w = p._worker
             if self.next is None:
                 # nothing waits on it: the next prefetch job unpins it first (the same
                 # order: before any later batch is placed), or a wait does; the training
                 # thread's backward neither runs it nor wakes a thread for it
                 p._deferred.append((p._deferred_n, ticket))
                 p._deferred_n += 1
-            elif w.busy():  # after the jobs already queued (the next batch's prefetch), in order
-                w.submit(lambda: p._timed_release(ticket))
+            elif p._worker.busy():  # after the jobs already queued (the next batch's prefetch), in order
+                p._worker.submit(lambda: p._timed_release(ticket))
             else:  # the same order: nothing is queued before it; no thread round trip
                 p._timed_release(ticket)
         self.submit_next()
@@ -772,9 +772,7 @@ class PrefetchPipeline:
             self.module.forget(h.features)
             h.next = None
             h.release()
-        self._worker.wait_idle(self.timeout)
-        self._reader.wait_idle(self.timeout)
-        self._drain_releases()
+        self.wait_idle()
         self.store.disk.drop_read_ahead()  # nothing reads ahead now: spare reads and writes the cache's checks
         self._recent.clear()
         self.mode, self._draining, self._in_mode = "foreground", False, 0
@@ -822,9 +820,7 @@ class PrefetchPipeline:
         self._live.clear()
         self._ahead.clear()
         try:
-            self._worker.wait_idle(self.timeout)
-            self._reader.wait_idle(self.timeout)
-            self._drain_releases()
+            self.wait_idle()
         finally:
             self._worker.close()
             self._reader.close()

@@ -427,7 +427,10 @@ def test_disk_io_metrics_follow_the_store(tmp_path):
         assert st["disk_read_ahead_rows"] > 0 and st["disk_read_ahead_hits"] > 0
         assert v("hiermem_disk_read_ahead_rows_total") == st["disk_read_ahead_rows"]
         assert v("hiermem_disk_read_ahead_hits_total") == st["disk_read_ahead_hits"]
-        assert v("hiermem_disk_write_queue_rows") == st["disk_write_queue_rows"]
+        # the writer thread drains its queue on its own (nothing enqueues once the pipeline
+        # is closed): the scrape sees a count between the stats read before and after it
+        queue = v("hiermem_disk_write_queue_rows")
+        assert s.stats()["_store"]["disk_write_queue_rows"] <= queue <= st["disk_write_queue_rows"]
         assert v("hiermem_disk_combined_rows") == st["disk_combined_rows"] == 0  # write-behind: none held
         # the I/O children start (and may stop) on their own threads: the scrape sees a
         # count between the stats read before and after it

@@ -13,6 +13,7 @@ import threading
 from collections import namedtuple
 
 import lmdb
+import numpy as np
 import pytest
 import torch
 
@@ -117,6 +118,38 @@ def gated(monkeypatch, request):
     monkeypatch.setattr(disk_mod.DiskTier, "_proc_write", staticmethod(proc_write))
     yield gate, request.param
     gate.set()
+
+
+def test_the_newest_queued_record_of_a_row_wins(tmp_path, gated):
+    """Two queued write-backs of the same rows: a read (one table, or several at once;
+    ids unsorted, repeated, some never written) takes each row's newest record."""
+    gated, io = gated
+    s = make(tmp_path / "s", io=io)
+    d, w0, w1 = s._disk, s.widths[0], s.widths[1]
+    ids = np.array([5, 9, 1, 150], dtype=np.int64)
+    old = np.ones((4, w0), np.float32)
+    new = np.arange(4 * w0, dtype=np.float32).reshape(4, w0) + 2
+    try:
+        d.enqueue([(0, ids, old), (1, np.array([2**40]), np.full((1, w1), 7, np.float32))])
+        d.enqueue([(0, ids[1:3], new[1:3])])  # rows 9 and 1 again (the writer holds the first)
+        assert d.queued == 7
+        q = np.array([9, 5, 9, 150, 7, 1], dtype=np.int64)
+        want = np.stack([new[1], old[0], new[1], old[3], np.zeros(w0, np.float32), new[2]])
+        hit = [True, True, True, True, False, True]
+        order = np.argsort(q, kind="stable")
+        for (found, got), o in ((d.read(0, q, w0), slice(None)),
+                                (d.read_many([(0, q, w0), (1, np.array([2**40, 3]), w1)])[0], slice(None)),
+                                (d.read_many([(1, np.array([3]), w1), (0, q[order], w0)])[1], order)):
+            assert found.tolist() == np.array(hit)[o].tolist()
+            assert np.array_equal(got, want[o])
+        f1, r1 = d.read_many([(0, q[:1], w0), (1, np.array([3, 2**40]), w1)])[1]
+        assert f1.tolist() == [False, True] and (r1[1] == 7).all() and (r1[0] == 0).all()
+    finally:
+        gated.set()
+    s.flush()  # committed in order: LMDB ends with the newest records
+    found, got = d.read(0, q, w0)
+    assert np.array_equal(got, want) and found.tolist() == hit
+    s.close()
 
 
 def test_queued_rows_are_read_from_the_queue(tmp_path, gated):

@@ -47,7 +47,7 @@ from .records import (FORMAT, FORMAT_VERSION, KEY_DTYPE, KEY_DTYPE_V1, META_DB, 
                       _check_lmdb_file, concat_records, decode_keys, id_keys, key_list, meta_bytes, parse_meta,
                       parse_values, refuse_v1, table_db, table_of_db, table_records, value_list)
 from .slots import table_groups
-from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued  # noqa: F401
+from .write_behind import WRITE_BEHIND_BATCHES, WriteQueue, _Queued, queued_by_table, take_queued  # noqa: F401
 from .combine import WriteCombiner
 
 COMMIT_ATTEMPTS = 2  # a commit that failed with an I/O error is tried once more (LMDB aborted it whole)
@@ -427,9 +427,9 @@ class DiskTier:
         Rows not found are left zero in ``records``; duplicate ids get the same record.
         Queued and combined write-backs win over LMDB (a row's newest record is its value).
         """
-        queued = []
+        queued = {}
         if self.write_behind:  # else nothing is ever queued
-            queued = self.queue.snapshot()  # before reading LMDB: a batch committed meanwhile is still here
+            queued = queued_by_table(self.queue.snapshot())  # before reading LMDB: a batch committed meanwhile is still here
         found, out = self._read(table, ids, width)
         self._newer(table, ids, width, found, out, queued)
         return found, out
@@ -443,7 +443,7 @@ class DiskTier:
         if len(groups) < 2 and not len(self.ahead):
             return [self.read(t, ids, w) for t, ids, w in groups]
         self._check_version()
-        queued = self.queue.snapshot() if self.write_behind else []  # before LMDB: see read
+        queued = queued_by_table(self.queue.snapshot()) if self.write_behind else {}  # before LMDB: see read
         plan = []  # (table, sorted distinct keys, order, inverse, width, found, records) in sorted-key order
         for table, ids, width in groups:
             _, su, order, inverse = sorted_keys(ids)
@@ -479,31 +479,27 @@ class DiskTier:
                 for (i, rest, _), got in zip(ask, by_proc):
                     _scatter(got, rest, plan[i][5], plan[i][6])
         out = []
-        for (table, su, order, inverse, width, f, r), (_, ids, _) in zip(plan, groups):
+        for table, su, order, inverse, width, f, r in plan:
+            self._newer(table, su, width, f, r, queued)  # each distinct key once
             if order is not None:  # distinct, unsorted ids: back to their positions
                 fo, ro = np.empty_like(f), np.empty_like(r)
                 fo[order], ro[order] = f, r
                 f, r = fo, ro
             elif inverse is not None:
                 f, r = f[inverse], r[inverse]
-            self._newer(table, ids, width, f, r, queued)
             out.append((f, r))
         return out
 
     def _newer(self, table: int, ids: np.ndarray, width: int, found: np.ndarray, out: np.ndarray,
-               queued: list) -> None:
+               queued: dict[int, list[tuple[np.ndarray, np.ndarray]]]) -> None:
         """Records of ``ids`` newer than LMDB's into ``found``/``out``: those of the write-behind
-        ``queued`` batches (oldest first: the newest wins), then those combined."""
-        for q in queued:  # oldest first: the newest wins
-            for t, qids, qrec in q.groups:
-                if t != table or not len(qids):
-                    continue
-                u = np.asarray(ids).astype(np.uint64)
-                j = np.minimum(np.searchsorted(qids, u), len(qids) - 1)
-                hit = qids[j] == u
-                if hit.any():
-                    found[hit] = True
-                    out[hit] = qrec[j[hit], :width]
+        ``queued`` batches (:func:`queued_by_table`; oldest first: the newest wins), then
+        those combined."""
+        groups = queued.get(table)
+        if groups and len(ids):
+            u = id_keys(ids)
+            for qids, qrec in groups:  # one compiled pass per queued group of the table
+                take_queued(qids, qrec, u, min(width, qrec.shape[1]), found, out)
         if self.combine is not None:
             self.combine.lookup(table, ids, width, found, out)
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from ..core.jit import kernel
 from .priority import lower_this_thread
 
 WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
@@ -31,6 +33,39 @@ class _Queued:
     groups: list[tuple[int, np.ndarray, np.ndarray]]
     meta_raw: bytes | None
     nbytes: int
+
+
+@kernel
+def take_queued(qids, qrec, ids, width, found, out):
+    """For each of ``ids`` (uint64, any order) among one queued group's sorted ``qids``
+    (uint64) with records ``qrec`` (float32 ``[m, >= width]``): ``found`` set and ``out``
+    its record's first ``width`` columns, by binary search, in place (a later group's
+    call then overwrites an older one's: the newest wins)."""
+    m = qids.size
+    for q in range(ids.size):
+        x = ids[q]
+        lo, hi = 0, m
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if qids[mid] < x:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < m and qids[lo] == x:
+            found[q] = True
+            for c in range(width):
+                out[q, c] = qrec[lo, c]
+
+
+def queued_by_table(queued: list[_Queued]) -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
+    """Per table, the ``(ids, records)`` of the queued batches ``queued`` (a
+    :meth:`WriteQueue.snapshot`), oldest first, empty groups left out."""
+    out: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for q in queued:
+        for t, qids, qrec in q.groups:
+            if len(qids):
+                out.setdefault(t, []).append((qids, qrec))
+    return out
 
 
 class WriteQueue:

@@ -75,8 +75,13 @@ def serial(fn):
 
 #: floats of the kernels' stack accumulator (wider rows take a heap one)
 ACC = 1024
-#: how many ids (lookup) or distinct rows (backward) ahead a row is prefetched
-AHEAD = 8
+#: how many ids (lookup) or distinct rows (backward) ahead a row is prefetched.  16,
+#: measured on the 2-core EPYC (``scripts/bench_pipeline.py``'s host-backed step, the
+#: kernels timed inside a run, distances interleaved in one process): the lookup 0.073 ->
+#: 0.064 ms and the fused SGD 0.097 -> 0.091 ms a step against 8, the device tier there
+#: in L3; alone on random rows, 16 and 8 cost the same from DRAM (1M x 16 and 250k x 64
+#: floats) and 32 or more costs up to 1.5x (more misses in flight than the core tracks).
+AHEAD = 16
 
 
 @serial

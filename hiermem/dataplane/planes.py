@@ -22,9 +22,9 @@ Planes keep no state of their own between calls; the store's lock serialises the
 
 from __future__ import annotations
 
-import os
-
 import math
+import os
+import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass
@@ -301,14 +301,22 @@ def start_numba_threads() -> None:
     _numba_started = True
 
 
+#: the numba thread count each thread last set here: numba's ``get_num_threads`` takes two
+#: locks and a foreign call each time (2-6 us inside a run, three times a step on the
+#: training thread), while the count is the thread's own and changes only when set
+_set_count = threading.local()
+
+
 def _threads(work: int) -> int:
     """Set numba's thread count (per calling thread) for ``work`` floats: torch's intra-op
-    count, or 1 for small work; returns it."""
+    count, or 1 for small work; returns it.  (A count set on this thread by anyone else
+    with ``numba.set_num_threads`` stands until this one changes.)"""
     if not _numba_started:
         start_numba_threads()
     n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) if work >= PARALLEL_WORK else 1
-    if numba.get_num_threads() != n:
+    if getattr(_set_count, "n", None) != n:
         numba.set_num_threads(n)
+        _set_count.n = n
     return n
 
 

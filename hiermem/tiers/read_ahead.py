@@ -20,6 +20,7 @@ import numpy as np
 
 from ..core.jit import kernel
 from ..errors import StoreFormatError
+from .records import lower_bound
 
 
 @kernel
@@ -33,13 +34,7 @@ def take_live(cids, clive, cfound, crec, ids, got, found, out):
         if got[q]:
             continue
         x = ids[q]
-        lo, hi = 0, m
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if cids[mid] < x:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = lower_bound(cids, x)
         if lo < m and cids[lo] == x and clive[lo]:
             found[q] = cfound[lo]
             for c in range(width):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.jit import tiny
 from ..errors import StoreFormatError, StoreVersionError
 
 META_KEY = b"store"
@@ -51,6 +52,20 @@ def table_of_db(name: bytes) -> int | None:
 def id_keys(ids) -> np.ndarray:
     """Row ids as contiguous native ``uint64`` (the keys' integers; sort them for LMDB)."""
     return np.ascontiguousarray(np.asarray(ids).astype(np.uint64, copy=False))
+
+
+@tiny
+def lower_bound(keys, x):
+    """The first position of sorted ``keys`` (uint64) whose key is not below ``x``
+    (``keys.size`` when none is): compiled, inlined into the kernels that look keys up."""
+    lo, hi = 0, keys.size
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if keys[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def key_list(ids: np.ndarray) -> list[bytes]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..core.jit import kernel
 from .priority import lower_this_thread
+from .records import lower_bound
 
 WRITE_BEHIND_BATCHES = 2  # write-back batches queued at most (an enqueue beyond waits)
 
@@ -44,13 +45,7 @@ def take_queued(qids, qrec, ids, width, found, out):
     m = qids.size
     for q in range(ids.size):
         x = ids[q]
-        lo, hi = 0, m
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if qids[mid] < x:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = lower_bound(qids, x)
         if lo < m and qids[lo] == x:
             found[q] = True
             for c in range(width):

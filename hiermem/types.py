@@ -136,7 +136,13 @@ class StoreConfig:
             hundred rows a step spent more on commits than on rows.  Reads see the rows
             held.  A crash loses what they hold as it loses any write-back not yet
             committed (rows keep their flushed value or a later one written down).
-            0: commit every write-back; ``sync_writebacks`` implies 0.
+            0: commit every write-back; ``sync_writebacks`` implies 0.  None (the
+            default): three times the LMDB leaf pages the tables' rows fill, at least
+            16,384 rows and at most 64 MiB of records
+            (:func:`hiermem.tiers.combine.default_limit`; e.g. 56k rows for 960k rows of
+            64-byte records): a commit copies each page it touches once, so rows
+            committed together that share pages cost less (the store's ``disk.combine.limit``
+            is the limit in use).
         io_process: do the background LMDB I/O (read-ahead, write-behind) in a child
             process (lmdb and numpy only) instead of on the background thread itself.
             py-lmdb holds the GIL while it works, so in-thread background I/O stalls
@@ -167,7 +173,7 @@ class StoreConfig:
     map_size: int = 1 << 28
     sync_writebacks: bool = False
     write_behind: Union[bool, str] = False
-    write_combine: int = 16384
+    write_combine: Optional[int] = None
     io_process: bool = True
     writemap: Optional[bool] = None
     trace_path: Optional[Union[str, os.PathLike]] = None
@@ -225,8 +231,8 @@ class StoreConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidTypeError(f"{name} must be a bool")
         c = self.write_combine
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise InvalidArgumentError(f"write_combine must be an int >= 0 (rows), got {c!r}")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise InvalidArgumentError(f"write_combine must be None or an int >= 0 (rows), got {c!r}")
         if not isinstance(self.write_behind, bool) and self.write_behind not in ("auto", "combined"):
             raise InvalidTypeError(f"write_behind must be a bool, 'auto' or 'combined', got {self.write_behind!r}")
         if self.writemap is not None and not isinstance(self.writemap, bool):

@@ -259,6 +259,45 @@ def test_config(tmp_path):
     s.close()
 
 
+def test_default_limit_follows_the_store_size(tmp_path):
+    """``write_combine=None`` (the default): three times the LMDB leaf pages the rows fill,
+    within [16384 rows, 64 MiB of records]; an explicit limit is kept as given."""
+    from hiermem.tiers.combine import COMBINE_MAX_BYTES, COMBINE_MIN, default_limit
+
+    assert hm.StoreConfig(path=tmp_path / "c").write_combine is None
+    assert default_limit([1000], [16]) == COMBINE_MIN  # a small store: the floor
+    # 960k rows of 16 floats: 80 bytes a node, 51 a page, 18.8k pages -> 56k rows
+    assert default_limit([120_000] * 8, [16] * 8) == int(3 * 960_000 * 80 / 4080)
+    assert default_limit([120_000] * 8, [16] * 8) == default_limit([960_000], [16])  # pages add up
+    assert default_limit([10**8], [128]) == COMBINE_MAX_BYTES // (4 * 128)  # the cap, by the widest record
+    assert default_limit([10**8, 10], [16, 128]) == COMBINE_MAX_BYTES // (4 * 128)
+    assert default_limit([None, 1000], [16, 16]) == COMBINE_MIN  # unbounded ids: rows unknown, none counted
+    big = [hm.TableSpec("big", 600_000, 16)]
+    s = hm.HierarchicalStore(big, hm.StoreConfig(path=tmp_path / "d", device_rows=8, host_rows=16, seed=1))
+    try:  # SGD: records are the dim alone
+        assert s._disk.combine.limit == default_limit([600_000], [16]) > COMBINE_MIN
+    finally:
+        s.close()
+    opt = hm.Adagrad(lr=0.1)  # state as wide as the row: twice the bytes, half the rows a page
+    s = hm.HierarchicalStore(big, hm.StoreConfig(path=tmp_path / "a", device_rows=8, host_rows=16, seed=1,
+                                                 optimizer=opt))
+    try:
+        assert s._disk.combine.limit == default_limit([600_000], [32]) > default_limit([600_000], [16])
+    finally:
+        s.close()
+    s = hm.HierarchicalStore(big, hm.StoreConfig(path=tmp_path / "e", device_rows=8, host_rows=16, seed=1,
+                                                 write_combine=100))
+    try:
+        assert s._disk.combine.limit == 100
+    finally:
+        s.close()
+    s = hm.HierarchicalStore.open(tmp_path / "e")  # the limit is not part of the layout: reopened, the default
+    try:
+        assert s._disk.combine.limit == default_limit([600_000], [16])
+    finally:
+        s.close()
+
+
 def test_combiner_matches_a_dict():
     """The merge keeps each row once, its newest record, sorted; lookups by binary search."""
     rng = np.random.default_rng(0)

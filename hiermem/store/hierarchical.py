@@ -42,6 +42,7 @@ from .checkpoint import Checkpoints, restore as restore_checkpoint
 from .meta import OVERRIDABLE, saved_config, saved_counters
 from ..observe.stats import IO, Counters, store_stats, timed
 from ..tiers import DiskTier, SlotTier
+from ..tiers.combine import default_limit
 from ..types import StoreConfig, TableSpec
 
 from .locks import OPEN as _OPEN, OPEN_LOCK as _OPEN_LOCK  # noqa: E402
@@ -85,7 +86,7 @@ class HierarchicalStore:
             self._disk = DiskTier(self.path, create=True, map_size=config.map_size, sync=config.sync_writebacks,
                                   write_behind=self.write_behind, io_process=config.io_process,
                                   writemap=config.writemap, tables=len(tables), migrate=True,
-                                  combine=0 if config.sync_writebacks else config.write_combine,
+                                  combine=self._combine_limit(config),
                                   combine_behind=config.write_behind == "combined")
             try:
                 meta = self._disk.read_meta()
@@ -154,6 +155,16 @@ class HierarchicalStore:
                 raise HierMemError(f"{path}: store is already open in this process")
         cfg = saved_config(path, overrides)
         return cls(cfg[0], cfg[1])
+
+    def _combine_limit(self, config: StoreConfig) -> int:
+        """Rows of write-backs held for one combined commit: 0 with ``sync_writebacks``,
+        else ``write_combine``, or where it is None the default for these tables
+        (:func:`hiermem.tiers.combine.default_limit`)."""
+        if config.sync_writebacks:
+            return 0
+        if config.write_combine is not None:
+            return config.write_combine
+        return default_limit([s.num_rows for s in self.tables], self.widths)
 
     def _layout(self) -> dict:
         return {"tables": [s.to_dict() for s in self.tables], "optimizer": self.optimizer.to_dict(),

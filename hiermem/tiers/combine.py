@@ -81,6 +81,30 @@ def fill_held(st, sk, sp, rec, table, qk, width, found, out):
                 out[q, c] = rec[r, c]
 
 
+#: the default limit, in leaf pages of the store's rows: a commit copies each leaf page it
+#: touches (LMDB's copy-on-write), once however many of the page's rows it writes, so its
+#: cost goes with the pages touched, ``P (1 - exp(-R / P))`` for ``R`` rows spread over
+#: ``P`` pages.  A commit of ``R = 3 P`` rows copies 0.32 pages a row, of ``R = 0.85 P``
+#: (16k rows of a 960k-row store) 0.67: measured in ``scripts/bench_pipeline.py``'s Zipf
+#: disk configuration, the writer child's CPU a step 2.5-3.0 -> 1.25-1.4 ms.
+COMBINE_PAGES = 3
+COMBINE_MIN = 16384  # rows held at least (the limit before it followed the store's size)
+COMBINE_MAX_BYTES = 64 << 20  # records held at most: 64 MiB
+LEAF_BYTES = 4080  # a 4 KiB LMDB leaf page less its header
+NODE_BYTES = 16  # each row's node header and 8-byte key in a leaf page
+
+
+def default_limit(rows: list[int | None], widths: list[int]) -> int:
+    """The default ``write_combine`` of a store whose tables have ``rows`` rows (None: ids
+    unbounded, rows unknown: it adds none) and records of ``widths`` float32:
+    ``COMBINE_PAGES`` x the leaf pages its rows fill in LMDB, at least ``COMBINE_MIN``
+    rows and at most ``COMBINE_MAX_BYTES`` of records (beyond, a commit touches few of a
+    page's rows however many it holds)."""
+    pages = sum(n * (4 * w + NODE_BYTES) / LEAF_BYTES for n, w in zip(rows, widths) if n)
+    most = COMBINE_MAX_BYTES // (4 * max(widths, default=1) or 4)
+    return int(max(COMBINE_MIN, min(COMBINE_PAGES * pages, most)))
+
+
 class WriteCombiner:
     """Dirty rows written down by eviction, held until ``limit`` records are.
 

@@ -86,7 +86,7 @@ def fill_held(st, sk, sp, rec, table, qk, width, found, out):
 #: cost goes with the pages touched, ``P (1 - exp(-R / P))`` for ``R`` rows spread over
 #: ``P`` pages.  A commit of ``R = 3 P`` rows copies 0.32 pages a row, of ``R = 0.85 P``
 #: (16k rows of a 960k-row store) 0.67: measured in ``scripts/bench_pipeline.py``'s Zipf
-#: disk configuration, the writer child's CPU a step 2.5-3.0 -> 1.25-1.4 ms.
+#: disk configuration, the writer child's CPU a step 2.5-3.0 -> 1.2-1.6 ms.
 COMBINE_PAGES = 3
 COMBINE_MIN = 16384  # rows held at least (the limit before it followed the store's size)
 COMBINE_MAX_BYTES = 64 << 20  # records held at most: 64 MiB

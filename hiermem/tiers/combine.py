@@ -101,7 +101,7 @@ def default_limit(rows: list[int | None], widths: list[int]) -> int:
     rows and at most ``COMBINE_MAX_BYTES`` of records (beyond, a commit touches few of a
     page's rows however many it holds)."""
     pages = sum(n * (4 * w + NODE_BYTES) / LEAF_BYTES for n, w in zip(rows, widths) if n)
-    most = COMBINE_MAX_BYTES // (4 * max(widths, default=1) or 4)
+    most = COMBINE_MAX_BYTES // (4 * max(widths))  # (a store has a table, each width >= 1)
     return int(max(COMBINE_MIN, min(COMBINE_PAGES * pages, most)))
 
 

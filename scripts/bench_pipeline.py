@@ -44,7 +44,13 @@ threads' store time per step; ``lmdb_ms``: LMDB read + write time per step (any 
 from ``/proc`` (clock ticks: 10 ms over the window; the training thread's includes the
 baseline blocks).
 
+The fused update runs on the store's apply worker (``deferred_updates``, on here: torch
+runs one thread, so a core is free; see docs/dataplane.md); ``--sync-updates`` runs it on
+the training thread instead, and ``--ab-updates`` alternates timed blocks of both in one
+run and reports each one's critical path (``critical_no_settle_by_updates_ms``).
+
     python scripts/bench_pipeline.py --quick            (< 120 s on an idle 2-core host)
+    python scripts/bench_pipeline.py --quick --configs host --ab-updates --steps 120
     python scripts/bench_pipeline.py --dense-ms 2
     python scripts/bench_pipeline.py --quick --device cuda --real-dense   (on a GPU host)
 
@@ -287,6 +293,8 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
     prof = cProfile.Profile() if a.profile else None  # the training thread's timed steps only
     path = ctx["tmp"] / name.replace("/", "_")
     store = open_store(ctx["ck"], path, wl, dev, host, wb, preload, a.device)
+    if a.sync_updates:
+        store.deferred_updates = False
     os.sync()  # the restored files' dirty pages go down now, not in the timed window
     coll = hm.CachedEmbeddingBagCollection(wl.tables, store=store)
     step = Step(coll, len(wl.tables), a.dim, ctx["wait"], device=a.device, real=a.real_dense)
@@ -319,7 +327,13 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
         crit0 = critical(coll, pipe)
         finished = False
         since = phase  # steps since combined write-backs last went down
+        ab = {"deferred": [0.0, 0], "sync": [0.0, 0]}  # --ab-updates: critical seconds, steps
+        blocks = 0
         while not finished:
+            if a.ab_updates:  # alternate blocks (deferred first)
+                mode = "deferred" if blocks % 2 == 0 else "sync"
+                store.deferred_updates = mode == "deferred"
+                cb = critical(coll, pipe)
             t0 = time.perf_counter()
             k = 0
             if prof is not None:
@@ -335,6 +349,10 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
                     comb is None or i + k - start >= CYCLE_CAP * a.steps or (cycles >= MIN_CYCLES and since == phase))
             if prof is not None:
                 prof.disable()
+            if a.ab_updates:
+                ab[mode][0] += critical(coll, pipe) - cb
+                ab[mode][1] += k
+            blocks += 1
             tw = time.perf_counter()
             settle(store, pipe)
             t1 = time.perf_counter()
@@ -374,6 +392,8 @@ def run_config(ctx: dict, name: str, dev: int, host: int, depth: int, wb: bool, 
     out = {"over_baseline": round(bs / hs, 4),
            "critical_path_ms": round(1e3 * (crit + ws) / steps, 3),
            "critical_path_no_settle_ms": round(1e3 * crit / steps, 3),
+           **({"critical_no_settle_by_updates_ms": {m: round(1e3 * v / max(1, n), 3) for m, (v, n) in ab.items()}}
+              if a.ab_updates else {}),
            "embedding_side_ms": round(1e3 * inside / steps, 3),
            "critical_parts_ms": {"lookup": round(1e3 * parts[0] / steps, 3), "update": round(1e3 * parts[1] / steps, 3),
                                  "wait_for_prefetch": round(1e3 * parts[2] / steps, 3),
@@ -459,6 +479,11 @@ def main(argv=None) -> int:
                     choices=("device", "host", "disk", "criteo_disk"), help="which configurations")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and device tier live")
     ap.add_argument("--real-dense", action="store_true", help="bench_train's DLRM dense part instead of the wait")
+    ap.add_argument("--sync-updates", action="store_true",
+                    help="run the fused updates on the training thread (the store's deferred_updates off)")
+    ap.add_argument("--ab-updates", action="store_true",
+                    help="alternate timed blocks with the fused updates deferred and on the training thread, "
+                         "and report each one's critical path (critical_no_settle_by_updates_ms)")
     ap.add_argument("--json", type=Path, default=None, help="also write the JSON object here")
     ap.add_argument("--profile", type=Path, default=None,
                     help="cProfile the training thread's timed steps; stats to PROFILE.<config> (slows them: "

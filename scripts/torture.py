@@ -329,10 +329,10 @@ def pipeline_segment(store: hm.HierarchicalStore, ref: "Reference", log: "Log", 
     real_update = store.update_bags
 
     def update_bags(tables, ids, offsets, grad, mode="sum", per_sample_weights=None, ticket=None, stepped=None,
-                    samples=None):
+                    samples=None, grad_owned=False):
         with store.lock:
             real_update(tables, ids, offsets, grad, mode, per_sample_weights, ticket=ticket, stepped=stepped,
-                        samples=samples)
+                        samples=samples, grad_owned=grad_owned)
             if samples is not None:  # the collection's [B, T * D] layout: the bags' [T * B, D] for the reference
                 D = store.max_dim
                 grad = grad.reshape(samples, -1, D).transpose(0, 1).reshape(-1, D)

@@ -60,6 +60,9 @@ class RowGrads:
     summed: torch.Tensor | None = None
     d: object = None  # the batch's staged control arrays on the device (hiermem.store.staged.StagedPath.stage)
     defer: bool = False  # check finiteness on the device, without a host sync (see TorchPlane.check)
+    #: the caller hands ``grad`` over (autograd's gradient: nobody writes it after the
+    #: call), so a deferred update reads it in place instead of a copy
+    owned: bool = False
     ok: torch.Tensor | None = None  # bool scalar on the device: every sum finite (a deferred check)
 
     def form(self) -> torch.Tensor:
@@ -92,6 +95,9 @@ class PlaneView:
     widths: list
     steps: list
     device: torch.device
+    #: the store's :class:`~hiermem.dataplane.deferred.DeferredApply` when its fused
+    #: updates may run off the calling thread, else None
+    deferred: object = None
 
     @property
     def device_tier(self):
@@ -430,10 +436,16 @@ class CompiledPlane(DataPlane):
         b, dev, host = rg.b, view.device_tier, view.host_tier
         dims, starts = view.dims, _np(b.starts, _NO_I64)
         nt = _threads(b.n * rg.grad.shape[1] + b.k.numel() * dev.width)
-        kernel(dev.data.numpy(), *host.kernel_arrays(), dev.capacity, dev.state[2], host.state[2],
-               self._gslots(view, p), _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts,
-               _np(b.counts, _NO_I64), _tasks(starts, b.n, nt), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32),
-               _np(rg.scale, _NO_F32), _NO_F32 if coef is None else coef, *hp)
+        rows, hoff = host.kernel_arrays()
+        args = (dev.data.numpy(), rows, hoff, dev.capacity, dev.state[2], host.state[2], self._gslots(view, p),
+                _np(b.t, _NO_I64), dims, _np(b.perm, _NO_I64), starts, _np(b.counts, _NO_I64),
+                _tasks(starts, b.n, nt), _np(rg.src, _NO_I64), _np(rg.grad, _NO_F32), _np(rg.scale, _NO_F32),
+                _NO_F32 if coef is None else coef)
+        d = view.deferred
+        if d is not None and nt == 1 and d.accepts(kernel, rows, hoff) and \
+                d.submit(kernel, *args[:2], *args[3:], hp, copy_grad=not rg.owned):
+            return  # on the store's apply worker; the store's lock waits for it (hiermem.dataplane.deferred)
+        kernel(*args, *hp)
 
 
 PLANES: dict[str, type[DataPlane]] = {c.name: c for c in (TorchPlane, CompiledPlane)}

@@ -56,7 +56,7 @@ class _PooledLookup(torch.autograd.Function):
         try:
             module.store.update_bags(tables, ids, offsets, grad if grad.is_contiguous() else grad.contiguous(),
                                      module.mode, weights, ticket=ctx.ticket, stepped=module._all_tables,
-                                     samples=ctx.samples)
+                                     samples=ctx.samples, grad_owned=True)
         finally:
             if ctx.pending is not None:
                 ctx.pending.release()

@@ -89,7 +89,7 @@ class BagOps:
 
     def update(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, mode: str,
                per_sample_weights: torch.Tensor | None, ticket: Ticket | None, stepped: list[int] | None,
-               samples: int | None = None) -> None:
+               samples: int | None = None, grad_owned: bool = False) -> None:
         """:meth:`HierarchicalStore.update_bags <hiermem.store.HierarchicalStore.update_bags>`."""
         view, res = self.view, self.view.residency
         m = self.memo
@@ -124,16 +124,19 @@ class BagOps:
             grad = grad.to(view.device)
         if samples is not None:
             grad = grad.reshape(nbags, D)
-        self.apply(b, p, grad, bag, scale, stepped)
+        self.apply(b, p, grad, bag, scale, stepped, grad_owned)
 
     def apply(self, b: Batch, p: Placement | None, grad: torch.Tensor, bag: torch.Tensor,
-              scale: torch.Tensor | None, stepped: list[int] | None = None) -> None:
+              scale: torch.Tensor | None, stepped: list[int] | None = None, grad_owned: bool = False) -> None:
         """Apply the gradients of bags ``grad`` to the rows of batch ``b`` (placement ``p``,
-        None: place it now): one optimizer step per distinct row, in place in its tier."""
+        None: place it now): one optimizer step per distinct row, in place in its tier
+        (perhaps on the store's apply worker: see :mod:`hiermem.dataplane.deferred`).
+        ``grad_owned``: nobody writes ``grad`` after the call (autograd's gradient)."""
         view, res = self.view, self.view.residency
         staged = res.staged
         staged.check_deferred()
         rg = staged.row_grads(b, p, grad, bag, scale)
+        rg.owned = grad_owned or rg.grad is not grad  # (row_grads made a float32/contiguous copy)
         res.plane.check(rg, "gradients")
         if p is None:
             p = self.prefetches.retry(lambda: self.place(b, account=False))  # under the store's lock

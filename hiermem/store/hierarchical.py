@@ -33,6 +33,8 @@ from .rows import initial_records
 from .overlap import resolve_write_behind
 from ..dataplane.optim import Optimizer
 from ..dataplane import DataPlane, PlaneView, default_plane, plane_named
+from ..dataplane.deferred import DeferredApply, StoreLock, available as deferred_available, close_on_collect
+from .overlap import can_overlap
 from .placed import Batch, Placement, dedup
 from .multi import MultiIds, Prefetches, Ticket, bags_of, offsets_of
 from .bags import BagOps
@@ -77,7 +79,8 @@ class HierarchicalStore:
         self.policy = resolve_policy(config.policy)
         self.widths = [s.dim + self.optimizer.state_width(s.dim) for s in tables]
         self.width = max(self.widths)
-        self._lock = threading.RLock()
+        # every call holds it; on entry it waits for the deferred fused update in flight
+        self._lock = StoreLock()
         self._closed = True
         self.path = Path(config.path).absolute()
         self._lockfd, self._made_lock = locks.claim_store(self.path)
@@ -117,7 +120,13 @@ class HierarchicalStore:
         self._multi = MultiIds(self.tables, self.device)  # validation and dedup of multi-table batches
         self._prefetches = Prefetches(self._res, self._counters, self._multi)  # prefetch tickets, pins, lookahead
         # what the data plane and the bag ops read of this store (never the store itself)
-        self._view = PlaneView(self._res, self.optimizer, self._dims_np, self.widths, self._steps, self.device)
+        # fused updates off the calling thread where a core is free beside torch's intra-op
+        # threads (the rule of every "auto" background default: hiermem.store.overlap)
+        self._deferred = DeferredApply(enabled=self.device.type == "cpu" and can_overlap(self.device)[0])
+        close_on_collect(self, self._deferred)
+        self._lock.deferred = self._deferred
+        self._view = PlaneView(self._res, self.optimizer, self._dims_np, self.widths, self._steps, self.device,
+                               self._deferred)
         self._bags = BagOps(self._view, self._counters, self._multi, self._prefetches, self._place)
         self._closed = False
         if config.trace_path is not None:
@@ -232,6 +241,8 @@ class HierarchicalStore:
         return initial_records(self.tables[ti], ti, self.config.seed, self.optimizer, ids)
 
     def _place(self, b: Batch, account: bool, record: bool = True, extra: dict | None = None) -> Placement:
+        if self._deferred.pending is not None:  # (the lock's entry waited for it; a second
+            self._deferred.wait()  # update in the same hold would not have: rows move next)
         if not account:
             return self._res.resolve(b, torch.full_like(b.k, self._clock), False, extra)
         if self._prefetches.soon is not None:  # a lookahead policy learns which resident rows come back soon
@@ -405,7 +416,9 @@ class HierarchicalStore:
 
     def release(self, ticket: Ticket) -> None:
         """Unpin the rows of a prefetched batch (idempotent)."""
-        with self._lock:
+        # the unfenced lock: an unpin touches neither rows nor what a deferred update reads,
+        # so the backward's release does not wait for its own update
+        with self._lock.unfenced:
             if ticket.released:
                 return
             ticket.released = True
@@ -491,7 +504,7 @@ class HierarchicalStore:
     def update_bags(self, tables: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor,
                     mode: str = "sum", per_sample_weights: torch.Tensor | None = None,
                     ticket: Ticket | None = None, stepped: list[int] | None = None,
-                    samples: int | None = None) -> None:
+                    samples: int | None = None, grad_owned: bool = False) -> None:
         """The backward of :meth:`lookup_bags` fused with the optimizer step.
 
         ``grad [len(offsets), max_dim]`` is the gradient of the pooled bags (columns past
@@ -504,16 +517,21 @@ class HierarchicalStore:
         batch (the collection passes all its tables: Adam's step count then follows
         ``torch.optim.SparseAdam`` on an ``nn.EmbeddingBag`` that saw an empty batch).
         ``samples``: as the lookup's; ``grad`` is then ``[samples, T * max_dim]``.
+        ``grad_owned``: the caller will not write ``grad`` after the call (autograd's
+        gradient), so a deferred update (:attr:`deferred_updates`) reads it in place; by
+        default it copies it first.
         """
         with self._lock:
             self._check_open()
-            self._bags.update(tables, ids, offsets, grad, mode, per_sample_weights, ticket, stepped, samples)
+            self._bags.update(tables, ids, offsets, grad, mode, per_sample_weights, ticket, stepped, samples,
+                              grad_owned)
 
     # -- read-only views for the store's collaborators (metrics, pipeline, modules) ------
     @property
-    def lock(self) -> threading.RLock:
+    def lock(self) -> StoreLock:
         """The store's (re-entrant) lock: every call holds it; hold it to read several
-        figures of one moment, or to keep the store's state still."""
+        figures of one moment, or to keep the store's state still (entering it waits for
+        a deferred update in flight, so what it shows includes every update made)."""
         return self._lock
 
     @property
@@ -576,10 +594,26 @@ class HierarchicalStore:
 
     @plane.setter
     def plane(self, plane: DataPlane) -> None:
-        self._res.plane = plane
-        # the data plane reads staged control arrays on CUDA, and on the CPU under the
-        # torch plane (so CPU tests run the same code)
-        self._staged_path.active = self.device.type == "cuda" or plane.name == "torch"
+        with self._lock:  # (after the update in flight)
+            self._res.plane = plane
+            # the data plane reads staged control arrays on CUDA, and on the CPU under the
+            # torch plane (so CPU tests run the same code)
+            self._staged_path.active = self.device.type == "cuda" or plane.name == "torch"
+
+    @property
+    def deferred_updates(self) -> bool:
+        """Whether the compiled plane's fused updates run on the store's apply worker,
+        off the calling thread (:mod:`hiermem.dataplane.deferred`): the call returns once
+        the gradients are checked, and the store's next call waits for the update.  Same
+        numbers either way.  Default: on a CPU store where a core is free beside torch's
+        intra-op threads (:func:`~hiermem.store.overlap.can_overlap`; Linux, JIT on): the
+        worker spins on that core around each update's expected time."""
+        return self._deferred.enabled
+
+    @deferred_updates.setter
+    def deferred_updates(self, on: bool) -> None:
+        with self._lock:
+            self._deferred.enabled = bool(on) and deferred_available()
 
     @property
     def defer_nonfinite(self) -> bool:
@@ -687,6 +721,7 @@ class HierarchicalStore:
                 self.flush()
             finally:
                 self._closed = True
+                self._deferred.close()
                 self._disk.close()
                 locks.release_store(self.path, self._lockfd)
                 from ..observe.metrics import STORES

@@ -20,7 +20,6 @@ thread, a metrics scrape and the training loop may share one store.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -30,11 +29,10 @@ import torch
 from ..errors import HierMemError, InvalidArgumentError, LayoutMismatchError, NonFiniteGradientError, StoreClosedError
 from ..core.policies import resolve_policy
 from .rows import initial_records
-from .overlap import resolve_write_behind
+from .overlap import can_overlap, resolve_write_behind
 from ..dataplane.optim import Optimizer
 from ..dataplane import DataPlane, PlaneView, default_plane, plane_named
 from ..dataplane.deferred import DeferredApply, StoreLock, available as deferred_available, close_on_collect
-from .overlap import can_overlap
 from .placed import Batch, Placement, dedup
 from .multi import MultiIds, Prefetches, Ticket, bags_of, offsets_of
 from .bags import BagOps
